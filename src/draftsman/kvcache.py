@@ -1,0 +1,67 @@
+"""Static caches, allocated once and indexed by slot.
+
+Every cached tensor has shape [layers, batch, slots, ...]. A token is written at the slot the
+caller chooses, so a rejected draft is simply overwritten later (no rollback), and accepted tree
+nodes are moved into place with `compact`. Standard attention stores keys and values; MLA stores
+its compressed latent and the rotated shared key (`kv_lora_rank + qk_rope_head_dim` per token).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class StaticCache:
+    def __init__(self, buffers: dict[str, Tensor]) -> None:
+        shapes = {tuple(b.shape[:3]) for b in buffers.values()}
+        if len(shapes) != 1:
+            raise ValueError(f"cache buffers disagree on [layers, batch, slots]: {shapes}")
+        self.buffers = buffers
+        self.num_layers, self.batch_size, self.max_len = shapes.pop()
+
+    @classmethod
+    def allocate(
+        cls,
+        layout: dict[str, tuple[int, ...]],
+        num_layers: int,
+        batch_size: int,
+        max_len: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> StaticCache:
+        """layout maps a buffer name to its per-token trailing shape, e.g. {"k": (8, 64)}."""
+        return cls(
+            {
+                name: torch.zeros(num_layers, batch_size, max_len, *tail, device=device, dtype=dtype)
+                for name, tail in layout.items()
+            }
+        )
+
+    def write(self, layer: int, index: Tensor, **values: Tensor) -> None:
+        """Store values [B, T, ...] at slots index [B, T] of one layer."""
+        rows = torch.arange(index.shape[0], device=index.device)[:, None]
+        for name, value in values.items():
+            self.buffers[name][layer][rows, index] = value.to(self.buffers[name].dtype)
+
+    def read(self, layer: int, name: str, length: int) -> Tensor:
+        """The first `length` slots of one layer's buffer: [B, length, ...]."""
+        return self.buffers[name][layer, :, :length]
+
+    def compact(self, src: Tensor, dst: Tensor) -> None:
+        """For every layer and row b, copy slots src[b] to slots dst[b] (both [B, N]).
+
+        Used after tree verification: the accepted path's entries move next to the prefix.
+        Entries are gathered before any is written, so overlapping ranges are safe."""
+        rows = torch.arange(src.shape[0], device=src.device)[:, None]
+        for buf in self.buffers.values():
+            buf[:, rows, dst] = buf[:, rows, src]
+
+    def select_rows(self, rows: Tensor) -> None:
+        """Keep only the given batch rows (in that order): requests leaving a running batch."""
+        for name, buf in self.buffers.items():
+            self.buffers[name] = buf[:, rows].contiguous()
+        self.batch_size = int(rows.numel())
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())

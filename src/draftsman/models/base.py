@@ -1,0 +1,147 @@
+"""What every target model shares: the forward loop over decoder layers, aux-state capture,
+cache/mask conventions. Families implement the layers and a weight-name map."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from draftsman.config import TargetConfig
+from draftsman.kvcache import StaticCache
+from draftsman.models.layers import RMSNorm, causal_mask, slot_mask
+
+
+@dataclass
+class AttnContext:
+    """Per-forward inputs every attention layer reads."""
+
+    cos: Tensor  # [B, T, rotary_dim]
+    sin: Tensor
+    mask: Tensor  # [B, T, S] bool: over the new tokens (no cache) or over cache slots
+    cache: StaticCache | None = None
+    cache_index: Tensor | None = None  # [B, T] slot each new token is written to
+
+
+@dataclass
+class TargetOutput:
+    logits: Tensor | None  # [B, T or K, vocab]
+    aux_hidden: list[Tensor]  # one [B, T, H] per requested layer id, in the order asked
+    hidden: Tensor  # final normed hidden states [B, T, H]
+
+
+class TargetModel(nn.Module, ABC):
+    """A causal LM: `model(input_ids)` -> logits; `model.run(...)` for caches and aux states."""
+
+    config: TargetConfig
+    stacked_params: dict[str, int]  # params whose first dim stacks per-expert checkpoint tensors
+
+    def __init__(self, config: TargetConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.stacked_params = {}
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.layers = nn.ModuleList()
+        self.rotary: nn.Module  # set by the family
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    # ---- caches -------------------------------------------------------------------------
+    @abstractmethod
+    def cache_layout(self) -> dict[str, tuple[int, ...]]:
+        """Per-token trailing shape of each cached tensor, e.g. {"k": (Hkv, D), "v": (Hkv, D)}."""
+
+    def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> StaticCache:
+        if max_len > self.config.max_position_embeddings:
+            raise ValueError(
+                f"max_len={max_len} exceeds the model's max_position_embeddings="
+                f"{self.config.max_position_embeddings}"
+            )
+        return StaticCache.allocate(
+            self.cache_layout(),
+            len(self.layers),
+            batch_size,
+            max_len,
+            device=self.embed_tokens.weight.device,
+            dtype=dtype or self.embed_tokens.weight.dtype,
+        )
+
+    # ---- forward ------------------------------------------------------------------------
+    def forward(self, input_ids: Tensor, **kwargs) -> Tensor:
+        return self.run(input_ids, **kwargs).logits
+
+    def run(
+        self,
+        input_ids: Tensor,
+        positions: Tensor | None = None,
+        cache: StaticCache | None = None,
+        cache_index: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        aux_layer_ids: Sequence[int] = (),
+        logits_index: Tensor | None = None,
+        compute_logits: bool = True,
+    ) -> TargetOutput:
+        """One forward over input_ids [B, T].
+
+        positions: absolute positions [B, T] (default 0..T-1, or cache_index with a cache).
+        cache/cache_index: write each token's cache entry at slot cache_index[b, t] and attend
+            over the first S slots, S = attn_mask.shape[-1] (default: every slot <= own slot).
+        attn_mask: [B, T, S] bool, True where query t may attend key s (tree verify passes one).
+        aux_layer_ids: capture the residual stream entering these layers (id L = output of
+            the last layer, before the final norm), per DESIGN.md.
+        logits_index: [B, K] positions whose logits to compute (default: all)."""
+        b, t = input_ids.shape
+        device = input_ids.device
+        if cache is not None and cache_index is None:
+            cache_index = positions if positions is not None else _arange(b, t, device)
+        if positions is None:
+            positions = cache_index if cache_index is not None else _arange(b, t, device)
+        if attn_mask is None:
+            if cache is None:
+                attn_mask = causal_mask(b, t, device)
+            else:
+                attn_mask = slot_mask(cache_index, int(cache_index.max()) + 1)
+        self._check_aux_ids(aux_layer_ids)
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        ctx = AttnContext(cos, sin, attn_mask, cache, cache_index)
+        captured: dict[int, Tensor] = {}
+        wanted = set(aux_layer_ids)
+        for i, layer in enumerate(self.layers):
+            if i in wanted:
+                captured[i] = x
+            x = layer(x, ctx, i)
+        if len(self.layers) in wanted:
+            captured[len(self.layers)] = x
+        hidden = self.norm(x)
+        logits = None
+        if compute_logits:
+            h = hidden if logits_index is None else _gather_rows(hidden, logits_index)
+            logits = self.lm_head(h)
+        return TargetOutput(logits, [captured[i] for i in aux_layer_ids], hidden)
+
+    def _check_aux_ids(self, ids: Sequence[int]) -> None:
+        n = len(self.layers)
+        bad = [i for i in ids if not 0 <= i <= n]
+        if bad:
+            raise ValueError(f"aux layer ids {bad} out of range for a {n}-layer target (valid: 0..{n})")
+
+    # ---- checkpoints --------------------------------------------------------------------
+    @abstractmethod
+    def checkpoint_name(self, name: str) -> tuple[str, int | None] | str | None:
+        """Map a checkpoint tensor name to (parameter, stacked index | None), SKIP or None."""
+
+
+def _arange(b: int, t: int, device: torch.device) -> Tensor:
+    return torch.arange(t, device=device).expand(b, t)
+
+
+def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
+    return x.gather(1, index[..., None].expand(*index.shape, x.shape[-1]))

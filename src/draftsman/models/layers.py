@@ -1,0 +1,163 @@
+"""Building blocks shared by every model: RMSNorm, rotary embeddings, SwiGLU MLP, attention."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from draftsman.config import RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32 and cast back before the weight, as HF Llama/DeepSeek do.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)): the MLP of Llama, Qwen and DeepSeek."""
+
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_inv_freq(rope: RopeConfig, dim: int, max_position_embeddings: int) -> tuple[Tensor, float]:
+    """Inverse frequencies for `dim` rotary dims and the factor that scales cos/sin
+    (YaRN's attention factor; 1.0 otherwise). Same arithmetic as HF transformers."""
+    base = rope.theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    original = rope.original_max_position_embeddings or max_position_embeddings
+    if rope.type == "default":
+        return inv_freq, 1.0
+    if rope.type == "linear":
+        return inv_freq / rope.factor, 1.0
+    if rope.type == "llama3":
+        low_wavelen = original / rope.low_freq_factor
+        high_wavelen = original / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (original / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if rope.type == "yarn":
+        return _yarn_inv_freq(rope, dim, original)
+    raise ValueError(f"unsupported rope type {rope.type!r}")
+
+
+def _yarn_inv_freq(rope: RopeConfig, dim: int, original: int) -> tuple[Tensor, float]:
+    factor, base = rope.factor, rope.theta
+    if rope.attention_factor is not None:
+        attention_factor = rope.attention_factor
+    elif rope.mscale and rope.mscale_all_dim:
+        attention_factor = _yarn_mscale(factor, rope.mscale) / _yarn_mscale(factor, rope.mscale_all_dim)
+    else:
+        attention_factor = _yarn_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp  # share of the unscaled frequency per dim
+    return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)
+
+
+def yarn_softmax_scale(rope: RopeConfig, head_dim: int) -> float:
+    """DeepSeek's softmax scale: 1/sqrt(d) times mscale(factor, mscale_all_dim)^2 under YaRN."""
+    scale = head_dim**-0.5
+    if rope.type == "yarn" and rope.mscale_all_dim:
+        scale *= _yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
+    return scale
+
+
+class Rotary(nn.Module):
+    """cos/sin tables indexed by absolute position (so tree tokens can take any position)."""
+
+    def __init__(self, rope: RopeConfig, dim: int, max_position_embeddings: int) -> None:
+        super().__init__()
+        self.rope, self.dim, self.max_position_embeddings = rope, dim, max_position_embeddings
+        self.register_buffer("inv_freq", torch.empty(dim // 2, dtype=torch.float32), persistent=False)
+        self.attention_factor = 1.0
+        if self.inv_freq.device.type != "meta":
+            self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """(Re)compute the frequency table in fp32 (also after building on the meta device)."""
+        inv_freq, self.attention_factor = rope_inv_freq(self.rope, self.dim, self.max_position_embeddings)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """positions [B, T] -> cos, sin [B, T, dim] (half-split layout, duplicated halves)."""
+        freqs = positions.float()[..., None] * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, T, H, D]; cos/sin [B, T, D]."""
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    return x * cos + rotate_half(x) * sin
+
+
+def deinterleave(x: Tensor) -> Tensor:
+    """DeepSeek checkpoints store rotary pairs interleaved (x0,y0,x1,y1,...); regroup them as
+    (x0,x1,...,y0,y1,...) so the half-split rotation applies."""
+    *lead, d = x.shape
+    return x.view(*lead, d // 2, 2).transpose(-1, -2).reshape(*lead, d)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """q [B, T, H, D], k/v [B, S, Hkv, D*], mask [B, T, S] bool (True = may attend) -> [B, T, H, Dv].
+
+    Grouped-query attention when Hkv < H. A query row with no visible key returns zeros
+    instead of NaN (padding rows)."""
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+    )
+    return out.transpose(1, 2)
+
+
+def causal_mask(batch: int, seq: int, device: torch.device) -> Tensor:
+    return torch.ones(seq, seq, dtype=torch.bool, device=device).tril().expand(batch, seq, seq)
+
+
+def slot_mask(cache_index: Tensor, length: int) -> Tensor:
+    """Default mask over cache slots: a token written at slot s sees slots 0..s."""
+    slots = torch.arange(length, device=cache_index.device)
+    return slots[None, None, :] <= cache_index[:, :, None]

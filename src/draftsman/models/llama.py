@@ -1,0 +1,77 @@
+"""Llama family: Llama, Mistral, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm). GQA, tied or
+untied embeddings, RoPE default/linear/llama3/yarn."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from draftsman.config import TargetConfig
+from draftsman.models.base import AttnContext, TargetModel
+from draftsman.models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, attention
+from draftsman.weights import SKIP
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: TargetConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qkv_bias = cfg.attention_bias
+        o_bias = cfg.attention_bias and cfg.model_type != "qwen2"  # Qwen2 biases q/k/v only
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x: Tensor, ctx: AttnContext, layer: int) -> Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
+        if ctx.cache is not None:
+            ctx.cache.write(layer, ctx.cache_index, k=k, v=v)
+            s = ctx.mask.shape[-1]
+            k, v = ctx.cache.read(layer, "k", s), ctx.cache.read(layer, "v", s)
+        out = attention(q, k, v, ctx.mask, self.scale)
+        return self.o_proj(out.reshape(b, t, -1))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: TargetConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: Tensor, ctx: AttnContext, layer: int) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(TargetModel):
+    def __init__(self, cfg: TargetConfig) -> None:
+        super().__init__(cfg)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.rotary = Rotary(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+        self.tie_weights()
+
+    def cache_layout(self) -> dict[str, tuple[int, ...]]:
+        kv = (self.config.num_key_value_heads, self.config.head_dim)
+        return {"k": kv, "v": kv}
+
+    def checkpoint_name(self, name: str) -> tuple[str, None] | str | None:
+        """HF names: `model.X` -> `X`, `lm_head.weight` as is (absent when tied)."""
+        if name.endswith("rotary_emb.inv_freq"):  # stored by old checkpoints; recomputed here
+            return SKIP
+        if name.startswith("model."):
+            return name.removeprefix("model."), None
+        if name == "lm_head.weight":
+            return name, None
+        return None
