@@ -1,0 +1,83 @@
+"""The `draftsman` command: one entry point, one subcommand per job."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"error: --device {name}: CUDA is not available on this machine")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="weights/activations dtype (default: bfloat16 on GPU, float32 on CPU)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+
+
+def print_json(obj: dict) -> None:
+    """One JSON object on the last stdout line (the contract every --json output keeps)."""
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _generate(sub: argparse._SubParsersAction) -> None:
+    from draftsman.commands import generate
+
+    p = sub.add_parser("generate", help="decode prompts with a target (plain autoregressive)",
+                       description=generate.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    generate.add_arguments(p)
+    p.set_defaults(func=generate.run)
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_generate]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="draftsman",
+        description="EAGLE-3 speculative decoding: train drafters, decode losslessly, benchmark, diagnose.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for register in SUBCOMMANDS:
+        register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Subcommand implementations: each module has add_arguments(parser) and run(args)."""
