@@ -64,7 +64,7 @@ def test_missing_field_and_bad_rope_are_named():
 
 def test_unreadable_config_file_is_named(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(ConfigError, match="config.json"):
+    with pytest.raises(ConfigError, match=r"config\.json"):
         draftsman.load_target(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(BASE | {"architectures": ["BertModel"],
                                                              "model_type": "bert"}))

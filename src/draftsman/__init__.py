@@ -1,6 +1,7 @@
 """draftsman: EAGLE-3 speculative decoding, end to end."""
 
 from draftsman.models import load_target
+from draftsman.models.eagle3 import Eagle3Drafter, load_drafter, save_drafter
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "load_target"]
+__all__ = ["Eagle3Drafter", "__version__", "load_drafter", "load_target", "save_drafter"]

@@ -303,3 +303,218 @@ def read_json(path: Path) -> dict[str, Any]:
 def load_target_config(model_dir: str | Path) -> TargetConfig:
     path = Path(model_dir) / "config.json"
     return parse_target_config(read_json(path), source=str(path))
+
+
+# ---- EAGLE-3 drafter --------------------------------------------------------------------------
+
+# Architecture names that the engines load as the same single-layer Llama EAGLE-3 drafter
+# (SGLang: LlamaForCausalLMEagle3; vLLM registers both names to llama_eagle3.Eagle3LlamaForCausalLM).
+EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+# Known drafter architectures that are NOT this format, with the reason given to the user.
+OTHER_DRAFTER_ARCHS = {
+    "LlamaForCausalLMEagle": "an EAGLE-1/2 drafter (SGLang llama_eagle.py), not EAGLE-3",
+    "EagleLlamaForCausalLM": "an EAGLE-1/2 drafter (vLLM llama_eagle.py), not EAGLE-3",
+    "Eagle3Speculator": "a `speculators` EAGLE-3 checkpoint (transformer_layer_config + "
+    "speculators_config); convert it to the HF LlamaForCausalLMEagle3 layout first",
+}
+# Aux-layer-id conventions. "input": id i = residual stream entering target layer i
+# (= HF output_hidden_states[i]; draftsman, SafeAILab/EAGLE, vLLM). "output": id i = output of
+# target layer i (SpecForge writes these, SGLang's set_eagle3_layers_to_capture adds +1).
+LAYER_ID_CONVENTIONS = {
+    "input": "input",
+    "draftsman": "input",
+    "vllm": "input",
+    "eagle": "input",
+    "output": "output",
+    "sglang": "output",
+    "specforge": "output",
+}
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """An EAGLE-3 drafter checkpoint's config.json, with aux layer ids in draftsman's convention."""
+
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    vocab_size: int  # the target's vocabulary
+    draft_vocab_size: int  # rows of lm_head (== vocab_size when absent)
+    target_hidden_size: int  # width of each aux hidden state (== hidden_size when absent)
+    max_position_embeddings: int
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    # Residual stream ENTERING target layer i (HF output_hidden_states[i]); None = target default.
+    aux_layer_ids: tuple[int, ...] | None = None
+    layer_ids_source: str = "default: [2, L//2, L-3] from the target"
+    # The ids exactly as the file spelled them, and how they were read ("input" / "output").
+    raw_aux_layer_ids: tuple[int, ...] | None = None
+    layer_id_convention: str | None = None
+    # vLLM/speculators option: the residual around attention is hidden_norm(h) instead of h.
+    norm_before_residual: bool = False
+    torch_dtype: str | None = None
+
+    @property
+    def fc_in_features(self) -> int:
+        return 3 * self.target_hidden_size
+
+    @property
+    def full_vocab(self) -> bool:
+        return self.draft_vocab_size == self.vocab_size
+
+
+def _int_ids(value: Any, source: str, key: str) -> tuple[int, ...]:
+    if not isinstance(value, list | tuple) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in value
+    ):
+        raise ConfigError(f"{source}: field '{key}' must be a list of integers, got {value!r}")
+    if len(value) != 3:
+        raise ConfigError(
+            f"{source}: field '{key}' must list exactly 3 layer ids (EAGLE-3's fc reads 3 aux "
+            f"hidden states), got {list(value)}"
+        )
+    return tuple(int(i) for i in value)
+
+
+def _resolve_aux_ids(
+    raw: dict[str, Any], source: str, layer_id_convention: str | None
+) -> tuple[tuple[int, ...] | None, str, tuple[int, ...] | None, str | None]:
+    """(ids in draftsman's input convention, description, ids as written, convention used)."""
+    if layer_id_convention is not None and layer_id_convention not in LAYER_ID_CONVENTIONS:
+        raise ConfigError(
+            f"layer_id_convention={layer_id_convention!r} is not one of {sorted(LAYER_ID_CONVENTIONS)}"
+        )
+    forced = LAYER_ID_CONVENTIONS.get(layer_id_convention) if layer_id_convention else None
+    eagle_config = raw.get("eagle_config")
+    if eagle_config is not None and not isinstance(eagle_config, dict):
+        raise ConfigError(f"{source}: field 'eagle_config' must be an object, got {eagle_config!r}")
+    eagle_config = eagle_config or {}
+    nested_key, top_key = "eagle_config.eagle_aux_hidden_state_layer_ids", "eagle_aux_hidden_state_layer_ids"
+    nested = eagle_config.get("eagle_aux_hidden_state_layer_ids")
+    top = raw.get("eagle_aux_hidden_state_layer_ids")
+    nested = _int_ids(nested, source, nested_key) if nested is not None else None
+    top = _int_ids(top, source, top_key) if top is not None else None
+
+    block = raw.get("draftsman")
+    if isinstance(block, dict) and block.get("aux_layer_ids") is not None:
+        ids = _int_ids(block["aux_layer_ids"], source, "draftsman.aux_layer_ids")
+        convention = block.get("layer_id_convention", "input")
+        if convention != "input":
+            raise ConfigError(
+                f"{source}: field 'draftsman.layer_id_convention' must be 'input', got {convention!r}"
+            )
+        # draftsman writes all three spellings consistently; a disagreement means a hand edit.
+        if nested is not None and tuple(i + 1 for i in nested) != ids:
+            raise ConfigError(
+                f"{source}: draftsman.aux_layer_ids={list(ids)} (input of layer i) disagrees with "
+                f"{nested_key}={list(nested)} (output of layer i, expected {[i - 1 for i in ids]}); "
+                "fix one of them or delete the 'draftsman' block"
+            )
+        if top is not None and top != ids:
+            raise ConfigError(
+                f"{source}: draftsman.aux_layer_ids={list(ids)} disagrees with top-level "
+                f"{top_key}={list(top)} (vLLM reads it as input-of-layer ids, expected {list(ids)})"
+            )
+        return ids, f"{source}: draftsman.aux_layer_ids (input of layer i)", ids, "input"
+
+    if nested is not None:
+        key, written, convention = nested_key, nested, forced or "output"
+    elif top is not None:
+        # Only vLLM reads the top-level key, as input-of-layer ids (speculators writes it so too).
+        key, written, convention = top_key, top, forced or "input"
+    else:
+        return None, "default: [2, L//2, L-3] from the target", None, None
+    ids = tuple(i + 1 for i in written) if convention == "output" else written
+    how = "output of layer i, +1" if convention == "output" else "input of layer i, as given"
+    why = "caller's layer_id_convention" if forced else (
+        "SGLang/SpecForge convention" if convention == "output" else "vLLM convention"
+    )
+    desc = f"{source}: {key}={list(written)} read as {how} ({why})"
+    if key == nested_key and top is not None and top != ids:
+        desc += f"; note: vLLM would capture the input of layers {list(top)} (top-level {top_key})"
+    if min(ids) < 0:
+        raise ConfigError(f"{source}: field '{key}'={list(written)} gives negative layer ids {list(ids)}")
+    return ids, desc, written, convention
+
+
+def parse_drafter_config(
+    raw: dict[str, Any], source: str = "config.json", layer_id_convention: str | None = None
+) -> DrafterConfig:
+    """Parse an EAGLE-3 drafter config.json (SpecForge / SafeAILab / SGLang / vLLM layout).
+
+    Aux layer ids: a `draftsman` block wins; else `eagle_config.eagle_aux_hidden_state_layer_ids`
+    is read as SGLang/SpecForge "output of layer i" ids (+1), and a top-level
+    `eagle_aux_hidden_state_layer_ids` as vLLM "input of layer i" ids, unless `layer_id_convention`
+    ("sglang"/"output" or "vllm"/"input") says otherwise; else None (target default)."""
+    archs = raw.get("architectures") or []
+    if not isinstance(archs, list):
+        raise ConfigError(f"{source}: field 'architectures' must be a list, got {archs!r}")
+    arch = next((a for a in archs if a in EAGLE3_ARCHS), None)
+    if arch is None:
+        known = [f"{a} is {OTHER_DRAFTER_ARCHS[a]}" for a in archs if a in OTHER_DRAFTER_ARCHS]
+        raise UnsupportedModelError(
+            f"{source}: field 'architectures'={archs} is not an EAGLE-3 drafter "
+            f"(expected one of {list(EAGLE3_ARCHS)})" + (f": {'; '.join(known)}" if known else "")
+        )
+    layers = int(raw.get("num_hidden_layers") or 1)
+    if layers != 1:
+        raise ConfigError(f"{source}: field 'num_hidden_layers'={layers}: only single-layer EAGLE-3 drafters are supported")
+    unsupported = {
+        "fc_norm": (True, "per-aux RMSNorm before fc (SpecForge 'eagle3.1')"),
+        "norm_output": (False, "logits without the final norm"),
+        "attention_bias": (True, "q/k/v/o biases"),
+        "mlp_bias": (True, "MLP biases"),
+    }
+    for key, (bad, what) in unsupported.items():
+        if bool(raw.get(key, not bad)) == bad:
+            raise ConfigError(f"{source}: field '{key}'={raw[key]!r} ({what}) is not supported")
+    eagle_config = raw.get("eagle_config")
+    if isinstance(eagle_config, dict) and eagle_config.get("use_aux_hidden_state") is False:
+        raise ConfigError(
+            f"{source}: field 'eagle_config.use_aux_hidden_state'=false (a drafter without fc over aux "
+            "hidden states) is not supported"
+        )
+    act = raw.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ConfigError(f"{source}: field 'hidden_act'={act!r} is not supported (only 'silu')")
+
+    hidden = int(_require(raw, "hidden_size", source))
+    heads = int(_require(raw, "num_attention_heads", source))
+    kv_heads = int(raw.get("num_key_value_heads") or heads)
+    if heads % kv_heads:
+        raise ConfigError(
+            f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+        )
+    vocab = int(_require(raw, "vocab_size", source))
+    draft_vocab = int(raw.get("draft_vocab_size") or vocab)
+    if not 0 < draft_vocab <= vocab:
+        raise ConfigError(f"{source}: field 'draft_vocab_size'={draft_vocab} must be in 1..vocab_size={vocab}")
+    ids, ids_source, written, convention = _resolve_aux_ids(raw, source, layer_id_convention)
+    return DrafterConfig(
+        architecture=arch,
+        hidden_size=hidden,
+        intermediate_size=int(_require(raw, "intermediate_size", source)),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=int(raw.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        vocab_size=vocab,
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=int(raw.get("target_hidden_size") or hidden),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        rope=parse_rope(raw, source),
+        aux_layer_ids=ids,
+        layer_ids_source=ids_source,
+        raw_aux_layer_ids=written,
+        layer_id_convention=convention,
+        norm_before_residual=bool(raw.get("norm_before_residual", False)),
+        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+    )
+
+
+def load_drafter_config(model_dir: str | Path, layer_id_convention: str | None = None) -> DrafterConfig:
+    path = Path(model_dir) / "config.json"
+    return parse_drafter_config(read_json(path), source=str(path), layer_id_convention=layer_id_convention)
