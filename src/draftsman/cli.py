@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 
 import torch
 
@@ -47,26 +46,25 @@ def print_json(obj: dict) -> None:
     sys.stdout.flush()
 
 
-def _generate(sub: argparse._SubParsersAction) -> None:
-    from draftsman.commands import generate
-
-    p = sub.add_parser("generate", help="decode prompts with a target (plain autoregressive)",
-                       description=generate.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    generate.add_arguments(p)
-    p.set_defaults(func=generate.run)
-
-
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_generate]
+# Subcommand modules under draftsman.commands, in --help order. Each module has a docstring
+# (shown by `draftsman CMD --help`), HELP (one line), add_arguments(parser) and run(args).
+COMMANDS = ["generate"]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import importlib
+
     parser = argparse.ArgumentParser(
         prog="draftsman",
         description="EAGLE-3 speculative decoding: train drafters, decode losslessly, benchmark, diagnose.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for register in SUBCOMMANDS:
-        register(sub)
+    for name in COMMANDS:
+        module = importlib.import_module(f"draftsman.commands.{name.replace('-', '_')}")
+        p = sub.add_parser(name, help=module.HELP, description=module.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)
     return parser
 
 

@@ -12,6 +12,7 @@ One host sync per round: reading the accepted tokens to emit them and test stop 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -93,7 +94,7 @@ class SpecEngine:
             batch = self._drop_finished(batch, states)
         elapsed = time.perf_counter() - start
         out = GenerationOutput([s.tokens for s in states], [s.finish_reason for s in states], elapsed)
-        out.stats = stats.to_dict(per_request=True)
+        out.stats = stats.to_dict(per_request=True) | {"spec": dataclasses.asdict(self.spec)}
         return out
 
     # ---- phases ------------------------------------------------------------------------

@@ -26,6 +26,7 @@ pass them (`--spec-steps`, `--spec-topk`) from the engine to make every function
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -431,3 +432,19 @@ def _summary(hist: list[int], draft_tokens_per_round: int) -> dict:
         "accept_rate_per_position": [c / rounds if rounds else 0.0 for c in at_least],
         "accept_length_histogram": list(hist),
     }
+
+
+def merge_stats(parts: Sequence[dict]) -> dict:
+    """Combine `SpecStats.to_dict()` results of separate runs with the same tree shape
+    (histograms add up; every ratio is recomputed from them)."""
+    hists = [p["accept_length_histogram"] for p in parts]
+    total = [sum(col) for col in zip(*hists, strict=True)]
+    first = parts[0]
+    per_round = first["drafted_tokens"] // first["rounds"] if first["rounds"] else 0
+    out = _summary(total, per_round)
+    for key in ("spec",):
+        if key in first:
+            out[key] = first[key]
+    if all("per_request" in p for p in parts):
+        out["per_request"] = [r for p in parts for r in p["per_request"]]
+    return out
