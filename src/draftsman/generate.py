@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from draftsman.models.base import TargetModel
-from draftsman.sampling import SamplingParams, make_generator, sample, warp_probs
+from draftsman.sampling import SamplingParams, sample, warp_probs
 
 
 @dataclass
@@ -99,7 +99,6 @@ def next_token(logits: Tensor, params: SamplingParams, generator: torch.Generato
     return sample(probs, generator=generator)
 
 
-@torch.no_grad()
 def generate_plain(
     model: TargetModel,
     prompts: Sequence[Sequence[int]],
@@ -107,21 +106,11 @@ def generate_plain(
     params: SamplingParams = SamplingParams(temperature=0.0),
 ) -> GenerationOutput:
     """Decode every prompt one token per target forward, batched, with a static cache."""
-    device = model.embed_tokens.weight.device
-    ids, lengths = pad_prompts(prompts, device)
-    cache = model.new_cache(len(prompts), int(lengths.max()) + rules.max_new_tokens)
-    generator = make_generator(params.seed, device)
-    rows = [RowState(rules) for _ in prompts]
+    from draftsman.session import PlainSession, run_to_completion
+
+    longest = max(len(p) for p in prompts)
+    session = PlainSession(model, longest + rules.max_new_tokens, seed=params.seed)
     start = time.perf_counter()
-    logits = model(ids, cache=cache, logits_index=(lengths - 1)[:, None])[:, 0]
-    cur = lengths.clone()  # slot (= position) of the next token to write
-    while True:
-        tok = next_token(logits, params, generator)
-        for row, t in zip(rows, tok.tolist(), strict=True):  # one host sync per step
-            row.extend([t])
-        if all(r.done for r in rows):
-            break
-        logits = model(tok[:, None], cache=cache, positions=cur[:, None])[:, 0]
-        cur += 1
+    done = run_to_completion(session, prompts, rules, params)
     elapsed = time.perf_counter() - start
-    return GenerationOutput([r.tokens for r in rows], [r.finish_reason for r in rows], elapsed)
+    return GenerationOutput([r.state.tokens for r in done], [r.state.finish_reason for r in done], elapsed)

@@ -63,5 +63,14 @@ class StaticCache:
             self.buffers[name] = buf[:, rows].contiguous()
         self.batch_size = int(rows.numel())
 
+    def append_rows(self, other: StaticCache) -> None:
+        """Add the rows of `other` (same layers and length) after this cache's rows: requests
+        joining a running batch."""
+        if (other.num_layers, other.max_len) != (self.num_layers, self.max_len):
+            raise ValueError("appended cache rows must have the same layers and max_len")
+        for name, buf in self.buffers.items():
+            self.buffers[name] = torch.cat([buf, other.buffers[name]], dim=1)
+        self.batch_size += other.batch_size
+
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())

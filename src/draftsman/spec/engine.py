@@ -21,11 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from draftsman.generate import GenerationOutput, RowState, StopRules, next_token, pad_prompts
+from draftsman.generate import GenerationOutput, StopRules
+from draftsman.kvcache import StaticCache
 from draftsman.models.base import TargetModel
-from draftsman.sampling import SamplingParams, make_generator, warp_probs
+from draftsman.sampling import SamplingParams
+from draftsman.session import DecodeSession, Event, run_to_completion
 from draftsman.spec.tree import CandidatePool, VerifyTree, check_tree_args, select_tree
-from draftsman.spec.verify import SpecStats, ancestor_mask, greedy_accept, sample_accept
+from draftsman.spec.verify import ancestor_mask, greedy_accept, sample_accept, summarize_histogram
 
 
 @dataclass(frozen=True)
@@ -44,100 +46,76 @@ class SpecConfig:
         return cls(steps=steps, topk=1, draft_tokens=steps + 1)
 
 
-@dataclass
-class _Batch:
-    """Device state of the rows still decoding."""
+class SpecSession(DecodeSession):
+    """Speculative decoding of a running batch (see the module docstring for slot layout).
 
-    rows: list[int]  # indices into the caller's prompt list
-    n: Tensor  # [B] committed target length (= position of the root)
-    root: Tensor  # [B] last emitted token
-    d_logits: Tensor  # [B, Vd] drafter logits for depth 1
-    d_hidden: Tensor  # [B, H] drafter hidden paired with depth-1 tokens
+    Per-row device state: n (committed target length = root position), root (last emitted
+    token), d_logits/d_hidden (drafter output that seeds depth 1), and sampling parameters."""
 
-
-class SpecEngine:
-    def __init__(self, target: TargetModel, drafter, spec: SpecConfig = SpecConfig()) -> None:
-        self.target, self.drafter, self.spec = target, drafter, spec
+    def __init__(self, target: TargetModel, drafter, spec: SpecConfig, max_len: int, seed: int | None = None) -> None:
+        super().__init__(target, max_len, seed)
+        self.drafter, self.spec = drafter, spec
         self.aux_ids = tuple(drafter.aux_layer_ids)
 
-    # ---- public ------------------------------------------------------------------------
-    @torch.no_grad()
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        rules: StopRules,
-        params: SamplingParams = SamplingParams(temperature=0.0),
-    ) -> GenerationOutput:
-        device = self.target.embed_tokens.weight.device
-        ids, lengths = pad_prompts(prompts, device)
-        max_len = int(lengths.max()) + rules.max_new_tokens
-        k, steps, m = self.spec.topk, self.spec.steps, self.spec.draft_tokens
-        self.t_cache = self.target.new_cache(len(prompts), max_len + m + 1)
-        self.d_cache = self.drafter.new_cache(len(prompts), max_len + (steps - 1) * k + steps + 2)
-        generator = make_generator(params.seed, device)
-        states = [RowState(rules) for _ in prompts]
-        stats = SpecStats(steps, m - 1)  # histograms per request slot (= prompt index) and overall
-        every = torch.arange(len(prompts), device=device)
-        start = time.perf_counter()
-        batch, first = self._prefill(ids, lengths, params, generator)
-        for row, tok in zip(states, first.tolist(), strict=True):
-            row.extend([tok])
-        batch = self._drop_finished(batch, states)
-        while batch.rows:
-            tree = self._draft(batch)
-            accept_len, emitted = self._verify_and_accept(batch, tree, params, generator)
-            rows = torch.tensor(batch.rows, device=device)
-            stats.update(torch.zeros_like(every).index_copy(0, rows, accept_len), torch.isin(every, rows))
-            lens, toks = accept_len.tolist(), emitted.tolist()  # the round's host sync
-            for i, r in enumerate(batch.rows):
-                states[r].extend(toks[i][: lens[i] + 1])
-            batch = self._drop_finished(batch, states)
-        elapsed = time.perf_counter() - start
-        out = GenerationOutput([s.tokens for s in states], [s.finish_reason for s in states], elapsed)
-        out.stats = stats.to_dict(per_request=True) | {"spec": dataclasses.asdict(self.spec)}
-        return out
-
-    # ---- phases ------------------------------------------------------------------------
-    def _prefill(self, ids: Tensor, lengths: Tensor, params: SamplingParams, generator) -> tuple[_Batch, Tensor]:
+    # ---- prefill ------------------------------------------------------------------------
+    def _prefill(self, ids, lengths, sampling):
         b, t = ids.shape
+        spec = self.spec
+        t_cache = self.target.new_cache(b, self.max_len + spec.draft_tokens + 1)
+        d_cache = self.drafter.new_cache(b, self.max_len + (spec.steps - 1) * spec.topk + spec.steps + 2)
         last = (lengths - 1)[:, None]
-        out = self.target.run(ids, cache=self.t_cache, aux_layer_ids=self.aux_ids, logits_index=last)
-        first = next_token(out.logits[:, 0], params, generator)
+        out = self.target.run(ids, cache=t_cache, aux_layer_ids=self.aux_ids, logits_index=last)
+        first = self.sample_next(out.logits[:, 0], sampling, bool((sampling["temperature"] == 0).all()))
         # Drafter pairs (x_{i+1}, f_i): the prompt shifted by one, the new token at len-1.
         shifted = torch.cat([ids[:, 1:], ids[:, :1]], 1).scatter(1, last, first[:, None])
         positions = torch.arange(t, device=ids.device).expand(b, t)
-        d_logits, d_hidden = self._extend(shifted, out.aux_hidden, positions, lengths - 1)
-        return _Batch(list(range(b)), lengths.clone(), first, d_logits, d_hidden), first
+        d_logits, d_hidden = self._extend(d_cache, shifted, out.aux_hidden, positions, lengths - 1)
+        state = {"n": lengths.clone(), "root": first, "d_logits": d_logits, "d_hidden": d_hidden, **sampling}
+        return [t_cache, d_cache], state, first
 
-    def _extend(self, tokens: Tensor, aux: list[Tensor] | Tensor, positions: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
+    def _extend(self, d_cache: StaticCache, tokens: Tensor, aux: list[Tensor] | Tensor, positions: Tensor,
+                last: Tensor) -> tuple[Tensor, Tensor]:
         """Run the drafter over (token, target feature) pairs written at slot = position;
         return its logits and hidden state at index `last` [B] of each row."""
         hidden = self.drafter.project(aux)
-        logits, h = self.drafter(tokens, hidden, positions, cache=self.d_cache, cache_index=positions)
+        logits, h = self.drafter(tokens, hidden, positions, cache=d_cache, cache_index=positions)
         rows = torch.arange(tokens.shape[0], device=tokens.device)
         return logits[rows, last], h[rows, last]
 
-    def _draft(self, batch: _Batch) -> VerifyTree:
+    # ---- one round ----------------------------------------------------------------------
+    def _round(self) -> list[Event]:
+        tree = self._draft()
+        accept_len, emitted = self._verify_and_accept(tree)
+        lens, toks = accept_len.tolist(), emitted.tolist()  # the round's host sync
+        for row, a in zip(self.rows, lens, strict=True):
+            if len(row.histogram) <= a:
+                row.histogram += [0] * (self.spec.steps + 1 - len(row.histogram))
+            row.histogram[a] += 1
+        return self._emit(range(len(self.rows)), [t[: a + 1] for t, a in zip(toks, lens, strict=True)])
+
+    def _draft(self) -> VerifyTree:
         k, steps = self.spec.topk, self.spec.steps
-        bsz, device = batch.n.shape[0], batch.n.device
+        st, d_cache = self.tensors, self.caches[1]
+        n = st["n"]
+        bsz, device = n.shape[0], n.device
         pool = CandidatePool.empty(bsz, steps, k, device)
-        scores, ids = F.log_softmax(batch.d_logits.float(), -1).topk(k, dim=-1)
+        scores, ids = F.log_softmax(st["d_logits"].float(), -1).topk(k, dim=-1)
         level = pool.level_slice(1, k)
         pool.tokens[:, level] = self.drafter.draft_to_target(ids)
         pool.scores[:, level] = scores
         f_tokens, f_scores = pool.tokens[:, level], scores
         f_pool = torch.arange(k, device=device).expand(bsz, k)
-        f_hidden = batch.d_hidden[:, None].expand(-1, k, -1)
+        f_hidden = st["d_hidden"][:, None].expand(-1, k, -1)
         scratch = (steps - 1) * k
         f_anc = torch.zeros(bsz, k, max(scratch, 1), dtype=torch.bool, device=device)
         for d in range(1, steps):
             own = (d - 1) * k + torch.arange(k, device=device)  # scratch index of each frontier node
-            slots = batch.n[:, None] + own
+            slots = n[:, None] + own
             f_anc = f_anc.clone()
             f_anc[:, torch.arange(k), own] = True
-            mask = self._scratch_mask(batch.n, f_anc, scratch)
-            positions = (batch.n + d - 1)[:, None].expand(bsz, k)
-            logits, h = self.drafter(f_tokens, f_hidden, positions, cache=self.d_cache, cache_index=slots,
+            mask = self._scratch_mask(n, f_anc, scratch)
+            positions = (n + d - 1)[:, None].expand(bsz, k)
+            logits, h = self.drafter(f_tokens, f_hidden, positions, cache=d_cache, cache_index=slots,
                                      attn_mask=mask)
             c_scores, c_ids = F.log_softmax(logits.float(), -1).topk(k, dim=-1)  # [B, k, k]
             cum = (f_scores[..., None] + c_scores).reshape(bsz, k * k)
@@ -151,7 +129,7 @@ class SpecEngine:
             f_pool = level.start + best
             f_hidden = h.gather(1, parent[..., None].expand(-1, -1, h.shape[-1]))
             f_anc = f_anc.gather(1, parent[..., None].expand(-1, -1, f_anc.shape[-1]))
-        return select_tree(pool, batch.root, self.spec.draft_tokens)
+        return select_tree(pool, st["root"], self.spec.draft_tokens)
 
     @staticmethod
     def _scratch_mask(n: Tensor, anc: Tensor, scratch: int) -> Tensor:
@@ -163,42 +141,61 @@ class SpecEngine:
         picked = anc.gather(2, rel.clamp(0, anc.shape[-1] - 1)[:, None, :].expand(-1, anc.shape[1], -1))
         return (rel < 0)[:, None, :] | (in_scratch[:, None, :] & picked)
 
-    def _verify_and_accept(self, batch: _Batch, tree: VerifyTree, params: SamplingParams, generator) -> tuple[Tensor, Tensor]:
-        n = batch.n
+    def _verify_and_accept(self, tree: VerifyTree) -> tuple[Tensor, Tensor]:
+        st, t_cache, d_cache = self.tensors, self.caches[0], self.caches[1]
+        n = st["n"]
         _bsz, m = tree.tokens.shape
         anc = ancestor_mask(tree.parents)  # [B, m, m]
         mask = self._scratch_mask(n, anc, m)
         slots = n[:, None] + torch.arange(m, device=n.device)
-        out = self.target.run(tree.tokens, positions=n[:, None] + tree.depth, cache=self.t_cache,
+        out = self.target.run(tree.tokens, positions=n[:, None] + tree.depth, cache=t_cache,
                               cache_index=slots, attn_mask=mask, aux_layer_ids=self.aux_ids)
-        if params.temperature == 0:
+        if self.all_greedy:
             res = greedy_accept(tree.tokens, tree.parents, out.logits, max_depth=self.spec.steps)
-        else:
-            probs = warp_probs(out.logits, params.temperature, params.top_k, params.top_p)
-            res = sample_accept(tree.tokens, tree.parents, probs, generator=generator,
+        else:  # rows at temperature 0 get one-hot probabilities: greedy acceptance for them
+            res = sample_accept(tree.tokens, tree.parents, self.warped(out.logits), generator=self.generator,
                                 max_depth=self.spec.steps, max_width=self.spec.topk)
         path = res.path  # [B, D+1] node indices from the root, -1 padded
         depth = path.shape[1] - 1
         steps = torch.arange(1, depth + 1, device=n.device)
         dst = n[:, None] + steps
         src = torch.where(path[:, 1:] >= 0, n[:, None] + path[:, 1:], dst)
-        self.t_cache.compact(src, dst)
+        t_cache.compact(src, dst)
         feats = torch.cat(out.aux_hidden, -1)
         feats = feats.gather(1, path.clamp(min=0)[..., None].expand(-1, -1, feats.shape[-1]))
         emitted = res.accepted_tokens
         tokens = emitted.clamp(min=0)
         positions = n[:, None] + torch.arange(depth + 1, device=n.device)
-        batch.d_logits, batch.d_hidden = self._extend(tokens, feats, positions, res.accept_len)
-        batch.n = n + res.accept_len + 1
-        batch.root = res.bonus
+        st["d_logits"], st["d_hidden"] = self._extend(d_cache, tokens, feats, positions, res.accept_len)
+        st["n"] = n + res.accept_len + 1
+        st["root"] = res.bonus
         return res.accept_len, emitted
 
-    def _drop_finished(self, batch: _Batch, states: list[RowState]) -> _Batch:
-        keep = [i for i, r in enumerate(batch.rows) if not states[r].done]
-        if len(keep) == len(batch.rows):
-            return batch
-        idx = torch.tensor(keep, dtype=torch.long, device=batch.n.device)
-        self.t_cache.select_rows(idx)
-        self.d_cache.select_rows(idx)
-        return _Batch([batch.rows[i] for i in keep], batch.n[idx], batch.root[idx], batch.d_logits[idx],
-                      batch.d_hidden[idx])
+
+class SpecEngine:
+    """Speculative generation of a fixed set of prompts (a SpecSession run to completion)."""
+
+    def __init__(self, target: TargetModel, drafter, spec: SpecConfig = SpecConfig()) -> None:
+        self.target, self.drafter, self.spec = target, drafter, spec
+
+    def session(self, max_len: int, seed: int | None = None) -> SpecSession:
+        return SpecSession(self.target, self.drafter, self.spec, max_len, seed)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        rules: StopRules,
+        params: SamplingParams = SamplingParams(temperature=0.0),
+    ) -> GenerationOutput:
+        longest = max(len(p) for p in prompts)
+        session = self.session(longest + rules.max_new_tokens, seed=params.seed)
+        start = time.perf_counter()
+        done = run_to_completion(session, prompts, rules, params)
+        elapsed = time.perf_counter() - start
+        out = GenerationOutput([r.state.tokens for r in done], [r.state.finish_reason for r in done], elapsed)
+        per_request = [summarize_histogram(r.histogram or [0] * (self.spec.steps + 1), self.spec.draft_tokens - 1)
+                       for r in done]
+        total = [sum(col) for col in zip(*(r.histogram or [0] * (self.spec.steps + 1) for r in done), strict=True)]
+        out.stats = summarize_histogram(total, self.spec.draft_tokens - 1) | {
+            "spec": dataclasses.asdict(self.spec), "per_request": per_request}
+        return out

@@ -398,26 +398,26 @@ class SpecStats:
 
     @property
     def accept_length(self) -> float:
-        return _summary(self.histogram, self.draft_tokens_per_round)["accept_length"]
+        return summarize_histogram(self.histogram, self.draft_tokens_per_round)["accept_length"]
 
     @property
     def accept_rate_per_position(self) -> list[float]:
-        return _summary(self.histogram, self.draft_tokens_per_round)["accept_rate_per_position"]
+        return summarize_histogram(self.histogram, self.draft_tokens_per_round)["accept_rate_per_position"]
 
     def request(self, row: int) -> dict:
         """Statistics of the request in batch row `row`."""
         hist = [0] * (self.max_depth + 1) if self._rows is None else self._rows[row].tolist()
-        return _summary(hist, self.draft_tokens_per_round)
+        return summarize_histogram(hist, self.draft_tokens_per_round)
 
     def to_dict(self, per_request: bool = False) -> dict:
-        out = _summary(self.histogram, self.draft_tokens_per_round)
+        out = summarize_histogram(self.histogram, self.draft_tokens_per_round)
         if per_request:
             rows = [] if self._rows is None else self._rows.tolist()
-            out["per_request"] = [_summary(h, self.draft_tokens_per_round) for h in rows]
+            out["per_request"] = [summarize_histogram(h, self.draft_tokens_per_round) for h in rows]
         return out
 
 
-def _summary(hist: list[int], draft_tokens_per_round: int) -> dict:
+def summarize_histogram(hist: list[int], draft_tokens_per_round: int) -> dict:
     rounds = sum(hist)
     accepted = sum(i * h for i, h in enumerate(hist))
     drafted = rounds * draft_tokens_per_round
@@ -441,7 +441,7 @@ def merge_stats(parts: Sequence[dict]) -> dict:
     total = [sum(col) for col in zip(*hists, strict=True)]
     first = parts[0]
     per_round = first["drafted_tokens"] // first["rounds"] if first["rounds"] else 0
-    out = _summary(total, per_round)
+    out = summarize_histogram(total, per_round)
     for key in ("spec",):
         if key in first:
             out[key] = first[key]

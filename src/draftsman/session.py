@@ -1,0 +1,189 @@
+"""Decoding sessions: a running batch that requests join and leave between rounds.
+
+A session owns the static caches of its running rows. `add` prefills the newcomers as their own
+small batch and appends their cache rows to the running ones; `step` advances every running row
+by one round (one target forward: one token for plain decoding, a verified draft tree for
+speculation); finished or cancelled rows are dropped from the caches. `generate_plain` and the
+speculative engine's `generate` are this loop run to completion; the server interleaves `add`
+and `step` (continuous batching).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from draftsman.generate import RowState, StopRules, pad_prompts
+from draftsman.kvcache import StaticCache
+from draftsman.models.base import TargetModel
+from draftsman.sampling import SamplingParams, make_generator, sample, warp_probs
+
+
+@dataclass
+class Event:
+    """Tokens a request emitted in one round (after stop rules), and whether it ended."""
+
+    request_id: Hashable
+    tokens: list[int]
+    finish_reason: str | None  # "stop" | "length" | "cancelled" | None (still running)
+
+
+@dataclass
+class Request:
+    """One request's inputs and running state; the caller may keep it to read results."""
+
+    request_id: Hashable
+    prompt: Sequence[int]
+    rules: StopRules
+    params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
+    state: RowState = field(init=False)
+    histogram: list[int] = field(default_factory=list)  # rounds by accepted drafts (speculation)
+
+    def __post_init__(self) -> None:
+        self.state = RowState(self.rules)
+
+
+class DecodeSession(abc.ABC):
+    """Shared bookkeeping: rows, per-row sampling tensors, join/leave of cache rows."""
+
+    def __init__(self, target: TargetModel, max_len: int, seed: int | None = None) -> None:
+        self.target = target
+        self.max_len = max_len
+        self.device = target.embed_tokens.weight.device
+        self.generator = make_generator(seed, self.device)
+        self.rows: list[Request] = []
+        self.caches: list[StaticCache] = []
+        self.tensors: dict[str, Tensor] = {}  # per-row device state, dim 0 = row
+
+    # ---- public ------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.rows)
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        need = prompt_len + max_new_tokens
+        if need > self.max_len:
+            raise ValueError(
+                f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} = {need} exceeds "
+                f"the session's max length {self.max_len}"
+            )
+
+    @torch.no_grad()
+    def add(self, requests: Sequence[Request]) -> list[Event]:
+        """Prefill newcomers, emit their first token, and join them to the running batch."""
+        if not requests:
+            return []
+        for r in requests:
+            self.check_fits(len(r.prompt), r.rules.max_new_tokens)
+        ids, lengths = pad_prompts([r.prompt for r in requests], self.device)
+        params = [r.params for r in requests]
+        caches, tensors, first = self._prefill(ids, lengths, self._sampling_tensors(params))
+        self._join(list(requests), caches, tensors)
+        start = len(self.rows) - len(requests)
+        return self._emit(range(start, len(self.rows)), [[t] for t in first.tolist()])
+
+    @torch.no_grad()
+    def step(self) -> list[Event]:
+        """One round for every running row."""
+        if not self.rows:
+            return []
+        return self._round()
+
+    def cancel(self, request_ids: Sequence[Hashable]) -> list[Event]:
+        gone = set(request_ids)
+        events = [Event(r.request_id, [], "cancelled") for r in self.rows if r.request_id in gone]
+        self._keep([i for i, r in enumerate(self.rows) if r.request_id not in gone])
+        return events
+
+    # ---- for subclasses ----------------------------------------------------------------
+    @abc.abstractmethod
+    def _prefill(self, ids: Tensor, lengths: Tensor, sampling: dict[str, Tensor]
+                 ) -> tuple[list[StaticCache], dict[str, Tensor], Tensor]:
+        """Prefill a batch of newcomers: (their caches, their per-row tensors, first tokens [B])."""
+
+    @abc.abstractmethod
+    def _round(self) -> list[Event]:
+        """Advance every running row by one target forward."""
+
+    def _sampling_tensors(self, params: Sequence[SamplingParams]) -> dict[str, Tensor]:
+        return {
+            "temperature": torch.tensor([p.temperature for p in params], device=self.device),
+            "top_k": torch.tensor([p.top_k for p in params], dtype=torch.long, device=self.device),
+            "top_p": torch.tensor([p.top_p for p in params], dtype=torch.float64, device=self.device),
+        }
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(r.params.temperature == 0 for r in self.rows)
+
+    def sample_next(self, logits: Tensor, sampling: dict[str, Tensor], greedy: bool) -> Tensor:
+        """logits [B, V] -> tokens [B], each row with its own temperature/top-k/top-p."""
+        if greedy:
+            return logits.argmax(-1)
+        probs = warp_probs(logits, sampling["temperature"], sampling["top_k"], sampling["top_p"])
+        return sample(probs, generator=self.generator)
+
+    def warped(self, logits: Tensor) -> Tensor:
+        t = self.tensors
+        return warp_probs(logits, t["temperature"], t["top_k"], t["top_p"])
+
+    def _emit(self, row_ids: Sequence[int], tokens: Sequence[Sequence[int]]) -> list[Event]:
+        """Apply stop rules to each row's new tokens, report them, drop finished rows."""
+        events = []
+        for i, toks in zip(row_ids, tokens, strict=True):
+            row = self.rows[i]
+            kept = row.state.extend(toks)
+            events.append(Event(row.request_id, row.state.tokens[len(row.state.tokens) - kept:],
+                                row.state.finish_reason))
+        self._keep([i for i, r in enumerate(self.rows) if not r.state.done])
+        return events
+
+    def _join(self, rows: list[Request], caches: list[StaticCache], tensors: dict[str, Tensor]) -> None:
+        if not self.rows:
+            self.rows, self.caches, self.tensors = rows, caches, tensors
+            return
+        self.rows += rows
+        for mine, theirs in zip(self.caches, caches, strict=True):
+            mine.append_rows(theirs)
+        self.tensors = {k: torch.cat([v, tensors[k]]) for k, v in self.tensors.items()}
+
+    def _keep(self, keep: list[int]) -> None:
+        if len(keep) == len(self.rows):
+            return
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.rows = [self.rows[i] for i in keep]
+        for cache in self.caches:
+            cache.select_rows(idx)
+        self.tensors = {k: v[idx] for k, v in self.tensors.items()}
+
+
+class PlainSession(DecodeSession):
+    """Plain autoregressive decoding: one token per row per target forward."""
+
+    def _prefill(self, ids, lengths, sampling):
+        cache = self.target.new_cache(ids.shape[0], self.max_len)
+        logits = self.target(ids, cache=cache, logits_index=(lengths - 1)[:, None])[:, 0]
+        greedy = bool((sampling["temperature"] == 0).all())
+        first = self.sample_next(logits, sampling, greedy)
+        return [cache], {"cur": lengths.clone(), "last": first, **sampling}, first
+
+    def _round(self) -> list[Event]:
+        t = self.tensors
+        logits = self.target(t["last"][:, None], cache=self.caches[0], positions=t["cur"][:, None])[:, 0]
+        tok = self.sample_next(logits, t, self.all_greedy)
+        t["cur"], t["last"] = t["cur"] + 1, tok
+        return self._emit(range(len(self.rows)), [[x] for x in tok.tolist()])  # one host sync
+
+
+def run_to_completion(session: DecodeSession, prompts: Sequence[Sequence[int]], rules: StopRules,
+                      params: SamplingParams) -> list[Request]:
+    """Add every prompt at once and step until all finish; requests in prompt order."""
+    requests = [Request(i, p, rules, params) for i, p in enumerate(prompts)]
+    session.add(requests)
+    while session.num_running:
+        session.step()
+    return requests

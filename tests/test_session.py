@@ -1,0 +1,70 @@
+"""Continuous batching: requests join and leave a running session between rounds without
+changing anyone's output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import draftsman
+from draftsman.generate import StopRules, generate_plain
+from draftsman.models.eagle3 import init_drafter
+from draftsman.sampling import SamplingParams
+from draftsman.session import PlainSession, Request
+from draftsman.spec.engine import SpecConfig, SpecSession
+
+
+@pytest.fixture(scope="module")
+def target(tiny_deepseek_dir):
+    return draftsman.load_target(tiny_deepseek_dir)
+
+
+def make_session(kind, target, max_len=96):
+    if kind == "plain":
+        return PlainSession(target, max_len, seed=0)
+    return SpecSession(target, init_drafter(target, seed=3), SpecConfig(steps=3, topk=2, draft_tokens=6), max_len,
+                       seed=0)
+
+
+@pytest.mark.parametrize("kind", ["plain", "spec"])
+def test_join_midway_and_cancel(target, kind):
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (6, 11, 4)]
+    rules = StopRules(max_new_tokens=20)
+    alone = generate_plain(target, prompts, rules).token_ids
+    session = make_session(kind, target)
+    a, b, c = (Request(i, p, rules) for i, p in enumerate(prompts))
+    session.add([a])
+    for _ in range(3):
+        session.step()
+    session.add([b, c])  # join a running batch
+    session.step()
+    events = session.cancel([2])
+    assert [e.finish_reason for e in events] == ["cancelled"] and session.num_running == 2
+    while session.num_running:
+        for e in session.step():
+            assert e.request_id in (0, 1)
+    assert a.state.tokens == alone[0] and b.state.tokens == alone[1]
+    assert c.state.tokens == alone[2][: len(c.state.tokens)]
+
+
+@pytest.mark.parametrize("kind", ["plain", "spec"])
+def test_greedy_rows_unaffected_by_sampled_neighbours(target, kind):
+    prompts = [[5, 9, 14, 3], [7, 7, 8]]
+    rules = StopRules(max_new_tokens=16)
+    greedy = generate_plain(target, prompts[:1], rules).token_ids[0]
+    session = make_session(kind, target)
+    r0 = Request(0, prompts[0], rules, SamplingParams(temperature=0.0))
+    r1 = Request(1, prompts[1], rules, SamplingParams(temperature=1.0, top_p=0.9))
+    session.add([r0, r1])
+    while session.num_running:
+        session.step()
+    assert r0.state.tokens == greedy
+    assert len(r1.state.tokens) == 16
+
+
+def test_prompt_too_long_for_session(target):
+    session = PlainSession(target, 16)
+    with pytest.raises(ValueError, match="exceeds the session's max length 16"):
+        session.add([Request(0, list(range(3, 13)), StopRules(max_new_tokens=8))])
+    assert session.num_running == 0
