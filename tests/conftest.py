@@ -9,6 +9,9 @@ import torch
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 
+# Tiny models: one intra-op thread is much faster than two contending ones on small matmuls.
+torch.set_num_threads(1)
+
 
 def save_hf(model, path: Path, **kwargs) -> Path:
     model.save_pretrained(path, **kwargs)

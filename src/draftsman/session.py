@@ -66,10 +66,16 @@ class DecodeSession(abc.ABC):
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         need = prompt_len + max_new_tokens
+        window = self.target.config.max_position_embeddings
         if need > self.max_len:
             raise ValueError(
                 f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} = {need} exceeds "
                 f"the session's max length {self.max_len}"
+            )
+        if need > window:
+            raise ValueError(
+                f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} = {need} exceeds "
+                f"the model's max_position_embeddings={window}"
             )
 
     @torch.no_grad()

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+# Files that define tokenization and the chat template (transformers 5 may keep the template in
+# chat_template.jinja), so a fingerprint over them changes whenever loss masks could.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "merges.txt",
+                   "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
 
 
 def has_tokenizer(model_dir: str | Path) -> bool:
