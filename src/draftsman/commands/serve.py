@@ -1,0 +1,84 @@
+r"""Serve a target over an OpenAI-compatible HTTP API, speculatively with --drafter.
+
+Examples:
+  draftsman serve --target DIR
+  draftsman serve --target DIR --drafter DRAFTER_DIR --spec-steps 5 --spec-topk 4 \
+      --spec-draft-tokens 16 --port 8000 --api-key "$KEY" --max-batch-size 32
+
+Endpoints (as vLLM and SGLang serve them):
+  GET  /v1/models             the one served model (--served-model-name, default: the target
+                              directory's name)
+  POST /v1/completions        prompt as text or token ids; stream, temperature, top_p, top_k,
+                              max_tokens (default 16), stop, seed, stream_options.include_usage
+  POST /v1/chat/completions   messages rendered with the tokenizer's chat template; also
+                              max_completion_tokens (default: the rest of --max-model-len)
+  GET  /health                200 {"status": "ok"}, 503 while shutting down
+  GET  /metrics               Prometheus text (draftsman:* names mirroring vLLM's vllm:*)
+  GET  /openapi.json, /docs   the API schema
+
+Responses carry the generated `token_ids` in each choice and, when speculating, a
+`spec_decoding` object with this request's accept_length (tau), accept_rate_per_position,
+rounds, draft_tokens and accepted_tokens (in a stream: on the last chunk).
+
+Requests arriving together decode together: a request joins the running batch between rounds
+and leaves it when done (continuous batching, up to --max-batch-size rows). A request with a seed
+and temperature > 0 decodes in a batch of its own seeded with it, so it is reproducible and
+equals `draftsman generate --seed` for the same prompt. Output at temperature 0 equals
+`draftsman generate`. The server binds 127.0.0.1 unless --host says otherwise; with --api-key
+(or DRAFTSMAN_API_KEY) every /v1/ route needs `Authorization: Bearer KEY`. SIGTERM or Ctrl-C
+stops admitting, lets in-flight requests finish (for up to --shutdown-timeout s), exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from draftsman.cli import add_device_args, resolve_device, resolve_dtype
+
+HELP = "serve a target (and drafter) over an OpenAI-compatible HTTP API"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="HF checkpoint directory of the target model")
+    p.add_argument("--drafter", help="EAGLE-3 drafter directory: decode speculatively")
+    p.add_argument("--spec-steps", type=int, default=None, help="draft depth (default 5)")
+    p.add_argument("--spec-topk", type=int, default=None, help="branching per draft step (default 4)")
+    p.add_argument("--spec-draft-tokens", type=int, default=None,
+                   help="verified tree nodes incl. the root (default 16; steps + 1 when topk is 1)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", default=os.environ.get("DRAFTSMAN_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1/ routes (default: $DRAFTSMAN_API_KEY)")
+    p.add_argument("--served-model-name", help="model name clients send (default: the target dir's name)")
+    p.add_argument("--max-batch-size", type=int, default=32, help="rows decoded together at most (default 32)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + generated tokens per request (default: the target's "
+                        "max_position_embeddings, at most 4096)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may finish after SIGTERM (default 30)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_device_args(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from draftsman.commands.generate import spec_config_from_args
+    from draftsman.serve import load_state, run_server
+
+    if args.max_batch_size < 1:
+        raise SystemExit("error: --max-batch-size must be >= 1")
+    spec = None
+    if args.drafter:
+        spec = spec_config_from_args(args)
+    elif any(v is not None for v in (args.spec_steps, args.spec_topk, args.spec_draft_tokens)):
+        raise SystemExit("error: --spec-* flags need --drafter")
+    device = resolve_device(args.device)
+    try:
+        state = load_state(args.target, args.drafter, spec, device=device,
+                           dtype=resolve_dtype(args.dtype, device), max_model_len=args.max_model_len,
+                           max_batch_size=args.max_batch_size, model_name=args.served_model_name,
+                           api_key=args.api_key)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise SystemExit(f"error: {e}") from None
+    run_server(state, args.host, args.port, args.shutdown_timeout, args.log_level)
+    return 0
