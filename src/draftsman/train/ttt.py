@@ -91,6 +91,9 @@ def ttt_attention(attn: Eagle3Attention, x: Tensor, cos: Tensor, sin: Tensor,
     past.append((k, v))
     keys = torch.cat([kv[0] for kv in past], 1) if len(past) > 1 else k
     values = torch.cat([kv[1] for kv in past], 1) if len(past) > 1 else v
+    if attn.n_kv != attn.n_heads:  # expand GQA heads so CUDA can pick a masked fused kernel
+        keys = keys.repeat_interleave(attn.n_heads // attn.n_kv, dim=2)
+        values = values.repeat_interleave(attn.n_heads // attn.n_kv, dim=2)
     out = attention(q, keys, values, mask.expand(b, -1, -1), attn.scale)
     return attn.o_proj(out.reshape(b, t, -1))
 
