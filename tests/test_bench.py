@@ -359,7 +359,9 @@ def test_acceptance_aggregation():
     resp = bench.acceptance_from_responses([{"accept_length": 3.0, "accept_rate_per_position": [1.0, 1.0],
                                              "rounds": 1}, None,
                                             {"accept_length": 1.5, "accept_rate_per_position": [0.5, 0.0],
-                                             "rounds": 3}])
+                                             "rounds": 3},
+                                            {"accept_length": 0.0, "accept_rate_per_position": [0.0, 0.0],
+                                             "rounds": 0}])  # ended at its first token: no weight
     assert resp["accept_length"] == pytest.approx((3.0 + 4.5) / 4)
     assert resp["accept_rate_per_position"] == pytest.approx([(1 + 1.5) / 4, 0.25])
     assert bench.acceptance_from_responses([None, {}]) is None

@@ -183,6 +183,11 @@ ARM_DEFAULTS = NO_ACCEPTANCE | {
 }
 
 
+def with_defaults(arm: dict) -> dict:
+    """The arm's own keys first, then every ARM_DEFAULTS key it lacks (as null)."""
+    return arm | {k: v for k, v in ARM_DEFAULTS.items() if k not in arm}
+
+
 def acceptance_from_histograms(histograms: Iterable[Sequence[int]], spec: SpecConfig) -> dict:
     """τ and per-position acceptance from per-request histograms of accepted drafts per round
     (Request.histogram); p_i = rounds accepting >= i drafts / rounds, so τ = 1 + Σ p_i."""
@@ -202,10 +207,11 @@ def acceptance_from_responses(fields: Sequence[dict | None]) -> dict | None:
     """Aggregate per-request `spec_decoding` fields ({accept_length, accept_rate_per_position,
     rounds, draft_tokens, accepted_tokens}) of a server, each request weighted by its rounds."""
     usable = [f for f in fields if isinstance(f, dict) and f.get("accept_length") is not None]
-    if not usable:
-        return None
-    weights = [float(f.get("rounds") or 1) for f in usable]
+    # A request that ended before any verify round reports rounds 0 (and τ 0): weight 0, not 1.
+    weights = [float(f["rounds"]) if isinstance(f.get("rounds"), int | float) else 1.0 for f in usable]
     total = sum(weights)
+    if not usable or total <= 0:
+        return None
     tau = sum(w * float(f["accept_length"]) for w, f in zip(weights, usable, strict=True)) / total
     depth = max(len(f.get("accept_rate_per_position") or []) for f in usable)
     per_pos = [0.0] * depth
@@ -505,7 +511,7 @@ def bench_in_process(target, drafter, specs: Sequence[SpecConfig], workload: Wor
                 arm["identical"] = (mismatched == 0) if greedy else None
                 arm["mismatched_requests"] = mismatched if greedy else None
             arm["finish_reasons"] = count_reasons(run.traces)
-            arms.append(ARM_DEFAULTS | arm)
+            arms.append(with_defaults(arm))
     return arms
 
 
@@ -625,7 +631,11 @@ def write_plots(result: dict, out_dir: str | Path) -> list[Path]:
         for j, a in enumerate(accept):
             rates = a["accept_rate_per_position"]
             xs = [i + 1 + (j - (len(accept) - 1) / 2) * width for i in range(len(rates))]
-            ax.bar(xs, rates, width=width, label=f"{a['arm']} (tau {a['accept_length']:.2f})")
+            bars = ax.bar(xs, rates, width=width, label=f"{a['arm']} (tau {a['accept_length']:.2f})")
+            if len(accept) <= 4:
+                ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        depth = max(len(a["accept_rate_per_position"]) for a in accept)
+        ax.set_xticks(range(1, depth + 1))
         ax.set_xlabel("draft position i")
         ax.set_ylabel("acceptance p_i")
         ax.set_ylim(0, 1.05)

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import httpx
 
 from draftsman.bench import (
-    ARM_DEFAULTS,
     NO_ACCEPTANCE,
     Trace,
     acceptance_from_counters,
@@ -28,6 +27,7 @@ from draftsman.bench import (
     count_reasons,
     latency_summary,
     spec_counters,
+    with_defaults,
 )
 
 
@@ -195,7 +195,7 @@ def bench_server(cfg: ClientConfig, prompts: Sequence[str], concurrencies: Seque
             if not all(t.counted_by_usage for t in traces):
                 _note(notes, f"{name}: the server sent no usage in its stream; tokens counted as content chunks")
             results[name] = [t.output for t in traces]
-            arms.append(ARM_DEFAULTS | arm)
+            arms.append(with_defaults(arm))
         if "baseline" in results and greedy:
             mismatched = sum(a != b for a, b in zip(results["server"], results["baseline"], strict=True))
             arm = next(a for a in arms if a["arm"] == "server" and a["batch_size"] == c)
