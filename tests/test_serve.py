@@ -253,6 +253,27 @@ def test_sixteen_concurrent_streams_are_batched(kind, request, model, dirs):
     wait_for(lambda: metric(server.metrics(), "draftsman:num_requests_running") == 0)
 
 
+def test_a_long_request_does_not_block_a_short_one(plain, slow_rounds):
+    """The short request joins the running batch and finishes while the long one still runs."""
+    long_done = threading.Event()
+
+    def long_request() -> None:
+        body = {"prompt": "hello", "max_tokens": 100, "temperature": 0, "stream": True}
+        with httpx.stream("POST", plain.url + C, json=body, timeout=60) as r:
+            for _ in r.iter_lines():
+                pass
+        long_done.set()
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    wait_for(lambda: metric(plain.metrics(), "draftsman:num_requests_running") == 1)
+    short = plain.post(C, {"prompt": "how are you", "max_tokens": 3, "temperature": 0})
+    assert short.status_code == 200 and len(short.json()["choices"][0]["token_ids"]) == 3
+    assert not long_done.is_set()
+    worker.join(60)
+    assert long_done.is_set()
+
+
 # ---- bad input never hurts the server ------------------------------------------------------------
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 HI = [{"role": "user", "content": "hello"}]

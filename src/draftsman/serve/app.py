@@ -14,7 +14,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request as HTTPRequest
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -169,6 +170,22 @@ async def next_item(job: Job, gone: asyncio.Task) -> Event | JobFailed | None:
     return get.result() if get.done() and not get.cancelled() else None
 
 
+class EventStream(StreamingResponse):
+    """Server-sent events; `on_close` runs however the response ends, even if the body iterator
+    never started (its own `finally` would then never run)."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
 class APIKeyMiddleware:
     """401 for /v1/* requests without `Authorization: Bearer <key>` (health and metrics stay open)."""
 
@@ -191,6 +208,10 @@ class APIKeyMiddleware:
 
 
 # ---- the application -----------------------------------------------------------------------------
+# One server-sent event (OpenAPI 3.0/3.1 tools read a text/event-stream schema per event).
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "description": "a JSON chunk in OpenAI's format, or [DONE]"},
+    "event": {"type": "string"}}}
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "invalid or unsupported request"},
     401: {"model": ErrorResponse, "description": "missing or invalid API key"},
@@ -260,7 +281,7 @@ def create_app(state: ServeState) -> FastAPI:
     def generation_responses(model: type) -> dict[int | str, dict[str, Any]]:
         ok = {"model": model, "description": "the completion, or with stream=true server-sent "
               "events (`data: {chunk}` lines ending with `data: [DONE]`)",
-              "content": {"text/event-stream": {"schema": {"type": "string"}}}}
+              "content": {"text/event-stream": {"schema": SSE_EVENT}}}
         return {200: ok, **ERROR_RESPONSES}
 
     @app.post(COMPLETIONS, response_model=None, dependencies=auth,
@@ -268,7 +289,8 @@ def create_app(state: ServeState) -> FastAPI:
     async def completions(body: CompletionRequest, request: HTTPRequest) -> Response:
         check_request(body)
         check_model(body)
-        prompt = completion_prompt(state.tokenizer, body, state.vocab_size)
+        # Tokenizing may take a while for long prompts: off the event loop.
+        prompt = await run_in_threadpool(completion_prompt, state.tokenizer, body, state.vocab_size)
         return await run(body, request, prompt, chat=False)
 
     @app.post(CHAT, response_model=None, dependencies=auth,
@@ -276,7 +298,8 @@ def create_app(state: ServeState) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: HTTPRequest) -> Response:
         check_request(body)
         check_model(body)
-        return await run(body, request, chat_prompt(state.tokenizer, body), chat=True)
+        prompt = await run_in_threadpool(chat_prompt, state.tokenizer, body)
+        return await run(body, request, prompt, chat=True)
 
     def check_model(req: SamplingRequest) -> None:
         if req.model is not None and req.model != state.model_name:
@@ -290,23 +313,28 @@ def create_app(state: ServeState) -> FastAPI:
         except ShuttingDown:
             raise APIError(503, "the server is shutting down", code="shutting_down") from None
         gone = asyncio.create_task(wait_disconnect(request))
+        streaming = False
         try:
             # Wait for the first token before answering, so that a failure at admission is a
             # proper 500 even for a stream.
             first = await next_item(job, gone)
             fail_early(first, job)
-        except BaseException:
-            gone.cancel()
-            raise
-        endpoint = CHAT if chat else COMPLETIONS
-        if req.stream:
-            return StreamingResponse(stream(req, job, first, gone, chat, endpoint),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        try:
+            endpoint = CHAT if chat else COMPLETIONS
+            if req.stream:
+                streaming = True  # from here the stream owns `gone` and the job
+
+                def on_close() -> None:
+                    gone.cancel()
+                    state.scheduler.cancel(job.request_id)  # a no-op once it has finished
+
+                return EventStream(stream(req, job, first, gone, chat, endpoint), on_close)
             return await collect(req, job, first, gone, chat, endpoint)
+        except BaseException:  # an error, or this handler cancelled (e.g. shutdown timeout)
+            state.scheduler.cancel(job.request_id)
+            raise
         finally:
-            gone.cancel()
+            if not streaming:
+                gone.cancel()
 
     def fail_early(item: Event | JobFailed | None, job: Job) -> None:
         if item is None:
