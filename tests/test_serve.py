@@ -274,6 +274,36 @@ def test_a_long_request_does_not_block_a_short_one(plain, slow_rounds):
     assert long_done.is_set()
 
 
+def test_max_batch_size_caps_the_running_batch(dirs, model, slow_rounds):
+    state = build_state(model, load_tokenizer(dirs[0]), EOS, max_model_len=MAX_LEN, max_batch_size=2,
+                        model_name="capped")
+    with LiveServer(state) as server:
+        async def five():
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+                return await asyncio.gather(*(c.post(C, json={"prompt": [5 + i, 6], "max_tokens": 6,
+                                                              "temperature": 0}) for i in range(5)))
+
+        peak_waiting = 0
+
+        def watch() -> None:
+            nonlocal peak_waiting
+            while not done.is_set():
+                peak_waiting = max(peak_waiting, metric(server.metrics(), "draftsman:num_requests_waiting"))
+                time.sleep(0.02)
+
+        done = threading.Event()
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        responses = asyncio.run(five())
+        done.set()
+        watcher.join()
+        assert all(len(r.json()["choices"][0]["token_ids"]) == 6 for r in responses)
+        samples = server.metrics()
+        assert metric(samples, "draftsman:batch_size_bucket", le="2.0") == metric(samples, "draftsman:batch_size_count")
+        assert metric(samples, "draftsman:batch_size_sum") > metric(samples, "draftsman:batch_size_count")
+        assert peak_waiting >= 1
+
+
 # ---- bad input never hurts the server ------------------------------------------------------------
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 HI = [{"role": "user", "content": "hello"}]
@@ -536,6 +566,8 @@ def test_cli_serve_subprocess_and_sigterm(dirs, tmp_path):
         last = json.loads(rest[-2][6:])
         assert last["choices"][0]["finish_reason"] in ("length", "stop")
         assert proc.wait(60) == 0, (tmp_path / "server.log").read_text()
+        logged = (tmp_path / "server.log").read_text()
+        assert "received SIGTERM" in logged and "Waiting for connections to close" in logged, logged
     finally:
         if proc.poll() is None:
             proc.kill()

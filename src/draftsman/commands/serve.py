@@ -62,8 +62,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import logging
+
     from draftsman.commands.generate import spec_config_from_args
     from draftsman.serve import load_state, run_server
+
+    # uvicorn sets up its own loggers only; the scheduler's (failures, shutdown) go here.
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
 
     if args.max_batch_size < 1:
         raise SystemExit("error: --max-batch-size must be >= 1")

@@ -185,7 +185,13 @@ class Scheduler:
             self._add(self._shared, shared)
         for job in jobs:
             if job.own_session:
-                self._add(self.new_session(job.request.params.seed), [job])
+                try:
+                    session = self.new_session(job.request.params.seed)
+                except Exception as e:
+                    logger.exception("creating a seeded session failed")
+                    job.push(JobFailed(f"{type(e).__name__}: {e}"))
+                    continue
+                self._add(session, [job])
 
     def _add(self, session: DecodeSession, jobs: list[Job]) -> None:
         for job in jobs:
