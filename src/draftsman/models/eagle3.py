@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from draftsman.config import DrafterConfig, load_drafter_config
+from draftsman.config import DrafterConfig, parse_drafter_config
 from draftsman.kvcache import StaticCache
 from draftsman.models.base import AttnContext, TargetModel
 from draftsman.models.layers import (
@@ -37,8 +37,6 @@ from draftsman.models.layers import (
 from draftsman.weights import (
     CheckpointError,
     build_empty,
-    find_checkpoint_files,
-    iter_tensors,
     save_safetensors,
 )
 
@@ -329,12 +327,18 @@ def load_drafter(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     layer_id_convention: str | None = None,
+    draft_config: str | Path | None = None,
 ) -> Eagle3Drafter:
-    """Load an EAGLE-3 drafter directory (config.json + model.safetensors, sharded safetensors or
-    pytorch_model.bin). With `target`, validate against it and bind to it."""
+    """Load an EAGLE-3 drafter (config.json + model.safetensors, sharded safetensors or
+    pytorch_model.bin) written by draftsman, SGLang/SpecForge, vLLM, SafeAILab/EAGLE or
+    `speculators`, or a SpecForge training state (`draft_config`: its draft config json).
+    `source_format` records which (draftsman.interop.sources). With `target`, validate against
+    it and bind to it."""
+    from draftsman.interop.sources import resolve_drafter_source
+
     path = Path(path)
-    config = load_drafter_config(path, layer_id_convention)
-    ckpt = find_checkpoint_files(path)
+    source = resolve_drafter_source(path, draft_config)
+    config = parse_drafter_config(source.raw_config, str(source.config_path), layer_id_convention)
     # A drafter narrower than its target cannot share the target's embedding: it carries its own.
     own_embedding = config.hidden_size != config.target_hidden_size
     if target is not None:  # fail on the config before reading any tensor
@@ -344,7 +348,7 @@ def load_drafter(
     read_device = str(device) if torch.device(device).type == "cuda" else "cpu"
     loaded: set[str] = set()
     unexpected: list[str] = []
-    for name, file, load in iter_tensors(ckpt, read_device):
+    for name, file, load in source.tensors(read_device):
         pname = _checkpoint_name(name, own_embedding)
         if pname == "":
             if name in EMBED_NAMES:
@@ -366,6 +370,8 @@ def load_drafter(
         raise CheckpointError(f"{path}: unexpected tensors in drafter checkpoint: {unexpected[:20]}")
     _fill_missing(model, targets, loaded, path, target)
     check_vocab_mapping(model.d2t, model.t2d, config.vocab_size, str(path))
+    model.source_format = source.format
+    model.notes[:0] = [f"read as {source.format} ({config.layer_ids_source})", *source.notes]
     if target is not None:
         model.bind_target(target)
     model.source_dir = path
