@@ -2,6 +2,7 @@
 
 Example:
   draftsman dump-hidden --target DIR --data train.jsonl --out states/ [--with-logits]
+  draftsman dump-hidden --target KIMI_DIR --data train.jsonl --out states/ --device-map auto
 
 Per conversation: input_ids, loss_mask, the aux hidden states [T, 3H] at the drafter's aux layer
 ids (input-of-layer convention), the final normed hidden state [T, H] (training computes the
@@ -31,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-size", type=int, default=256, help="conversations per shard file")
     p.add_argument("--batch-size", type=int, default=4, help="conversations per target forward")
     add_device_args(p)
+    p.add_argument("--device-map", help="spread the target's layers over devices as a pipeline: 'auto' "
+                   "(all visible GPUs) or a list such as cuda:0,cuda:1")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
@@ -45,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     from draftsman.train.vocab import fingerprint_files
 
     device = resolve_device(args.device)
-    target = load_target(args.target, device=device, dtype=resolve_dtype(args.dtype, device))
+    target = load_target(args.target, device=device, dtype=resolve_dtype(args.dtype, device),
+                         device_map=args.device_map)
     aux = parse_layers(args.aux_layers) or list(target.config.default_aux_layer_ids())
     try:
         examples = load_tokenized(args.target, args.data, args.max_length, args.num_samples)

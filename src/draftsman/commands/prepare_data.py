@@ -74,6 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=16, help="server mode: requests in flight (default 16)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="server mode: seconds per request")
     add_device_args(p)
+    p.add_argument("--device-map", help="spread the target's layers over devices as a pipeline: 'auto' "
+                   "(all visible GPUs) or a list such as cuda:0,cuda:1")
 
 
 # ---- records --------------------------------------------------------------------------------------
@@ -222,7 +224,9 @@ class LocalBackend:
         from draftsman.tokenizer import eos_token_ids
 
         device = resolve_device(args.device)
-        self.model = load_target(args.target, device=device, dtype=resolve_dtype(args.dtype, device))
+        self.model = load_target(args.target, device=device, dtype=resolve_dtype(args.dtype, device),
+                                 device_map=args.device_map)
+        device = self.model.embed_tokens.weight.device  # the pipeline's home device with --device-map
         self.tokenizer = load_chat_tokenizer(args.target)
         self.max_positions = self.model.config.max_position_embeddings
         self.eos = frozenset(eos_token_ids(args.target, self.model.config.eos_token_ids, self.tokenizer))

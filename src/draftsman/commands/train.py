@@ -7,6 +7,7 @@ Examples:
   draftsman dump-hidden --target DIR --data train.jsonl --out states/
   draftsman train --target DIR --hidden-dir states/ --out drafter/               # offline
   torchrun --nproc-per-node 8 -m draftsman.cli train --target DIR --data d.jsonl --out o/ [--fsdp]
+  draftsman train --target KIMI_DIR --data d.jsonl --out o/ --device-map auto     # target over all GPUs
 
 --batch-size is the GLOBAL batch in sequences: with P processes and --micro-batch-size m, each
 process accumulates batch/(P*m) micro-batches per optimizer step, so the run is the same whatever
@@ -74,6 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the target's dtype (default bf16 on GPU); the drafter trains in fp32 + autocast")
     p.add_argument("--drafter-hidden-size", type=int, help="drafter width (default: the target's)")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP under torchrun")
+    p.add_argument("--device-map", help="spread the target's layers over devices as a pipeline ('auto': all "
+                   "visible GPUs, or cuda:0,cuda:1,...); one process, the drafter on the first device")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
@@ -83,6 +86,12 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.data and not args.hidden_dir:
         raise SystemExit("error: give --data FILE(S) or --hidden-dir DIR")
+    import os
+
+    if args.device_map and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise SystemExit("error: --device-map spreads one target over all GPUs in ONE process; under torchrun "
+                         "each process holds its own target copy (use --hidden-dir states from a "
+                         "--device-map dump-hidden run to train with several processes)")
     eval_every = args.eval_every
     max_steps = args.max_steps
     cfg = TrainConfig(
@@ -94,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         grad_clip=args.grad_clip, resume=args.resume, eval_data=args.eval_data, eval_samples=args.eval_samples,
         eval_every=eval_every, save_every=args.save_every, keep_checkpoints=args.keep_checkpoints,
         seed=args.seed, device=args.device, dtype=args.dtype, drafter_hidden_size=args.drafter_hidden_size,
-        fsdp=args.fsdp, progress=not args.no_progress,
+        fsdp=args.fsdp, progress=not args.no_progress, device_map=args.device_map,
     )
     try:
         res = train(cfg)

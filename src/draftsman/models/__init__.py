@@ -11,7 +11,6 @@ activations crosses devices. Caches are per-layer on each layer's device (Sharde
 
 from __future__ import annotations
 
-import bisect
 import types
 from collections.abc import Sequence
 from pathlib import Path
@@ -109,23 +108,38 @@ def load_target(
 
 # ---- placement --------------------------------------------------------------------------------
 def place_layers(layer_bytes: Sequence[int], capacities: Sequence[float], home_bytes: int = 0) -> list[int]:
-    """Contiguous pipeline split: the device index of each layer.
-
-    Device d is given a share of all bytes (layers + `home_bytes`, which device 0 holds besides
-    its layers) proportional to capacities[d]; a layer goes to the device whose share contains
-    the middle of its byte range. Contiguous and ordered, so activations only move forward."""
+    """Contiguous pipeline split: the device index of each layer, in order (activations only move
+    forward). Minimises the fullest device's load relative to its capacity, max_d load_d / cap_d,
+    where device 0 also holds `home_bytes` (embedding, final norm, lm_head): binary search on that
+    ratio, each candidate checked by filling devices greedily in order."""
     if not capacities or any(c <= 0 for c in capacities):
         raise ValueError(f"device capacities must be positive, got {list(capacities)}")
-    total = home_bytes + sum(layer_bytes)
-    cap = sum(capacities)
-    edges, acc = [], 0.0
-    for c in capacities:
-        acc += c
-        edges.append(total * acc / cap)
-    out, pos = [], float(home_bytes)
+    lo, hi = 0.0, (home_bytes + sum(layer_bytes)) / min(capacities)
+    best = _fill(layer_bytes, capacities, home_bytes, hi)
+    for _ in range(64):
+        mid = (lo + hi) / 2
+        got = _fill(layer_bytes, capacities, home_bytes, mid)
+        if got is None:
+            lo = mid
+        else:
+            hi, best = mid, got
+    assert best is not None  # `hi` starts feasible: everything on device 0
+    return best
+
+
+def _fill(layer_bytes: Sequence[int], capacities: Sequence[float], home_bytes: int, ratio: float) -> list[int] | None:
+    """Fill devices in order up to ratio * capacity each; None if the layers do not all fit."""
+    limit = [ratio * c * (1 + 1e-12) for c in capacities]
+    if home_bytes > limit[0]:
+        return None
+    d, load, out = 0, float(home_bytes), []
     for b in layer_bytes:
-        out.append(min(bisect.bisect_right(edges, pos + b / 2), len(capacities) - 1))
-        pos += b
+        while load + b > limit[d]:
+            d, load = d + 1, 0.0
+            if d == len(capacities):
+                return None
+        out.append(d)
+        load += b
     return out
 
 

@@ -91,6 +91,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     dtype: str = "auto"  # the target's dtype; the drafter keeps fp32 master weights
+    device_map: str | None = None  # spread the target over GPUs (one process; see load_target)
     drafter_hidden_size: int | None = None
     fsdp: bool = False
     progress: bool = True
@@ -613,7 +614,7 @@ def train(cfg: TrainConfig, examples: Sequence | None = None, eval_examples: Seq
 
         if not cfg.data and examples is None:
             raise ValueError("give --data FILE(S) or --hidden-dir DIR")
-        head = load_target(cfg.target, device=device, dtype=tdtype)
+        head = load_target(cfg.target, device=device, dtype=tdtype, device_map=cfg.device_map)
         given = examples is not None
         if not given:
             examples = load_tokenized(cfg.target, cfg.data, cfg.max_length, cfg.num_samples)
