@@ -252,3 +252,15 @@ def test_dequantize_rounds_once_like_compressed_tensors():
     ours = dequantize(pack_int4(q), scale, 64, GROUP, torch.bfloat16)
     theirs = q.to(torch.bfloat16) * scale.repeat_interleave(GROUP, -1)  # compressed-tensors' _dequantize
     assert torch.equal(ours, theirs)
+
+
+def test_packed_target_splits_over_devices(kimi):
+    """INT4 and pipeline placement together (how a Kimi checkpoint meets 8 GPUs): the split is
+    sized by packed bytes and computes the same."""
+    packed_dir, _ = kimi
+    plain = draftsman.load_target(packed_dir, dtype=torch.bfloat16)
+    split = draftsman.load_target(packed_dir, dtype=torch.bfloat16, device_map=["cpu", "cpu"])
+    assert type(split.layers[3].mlp.experts).__name__ == "PackedExperts"
+    ids = torch.randint(3, 256, (1, 8), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(plain(ids), split(ids))
+    assert torch.equal(greedy_cached(plain, ids, 4), greedy_cached(split, ids, 4))
