@@ -255,9 +255,11 @@ def test_speculators_package_accepts_the_export(exported):
     """The real `speculators` package (installed without its CUDA torch pin) parses the config
     with its own classes and loads the directory with Eagle3DraftModel.from_pretrained: every
     exported tensor arrives under its name, bit for bit."""
-    pytest.importorskip("speculators")
-    from speculators import SpeculatorModelConfig
-    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    try:  # installed with --no-deps (its pin would replace the CPU torch): skip if partial
+        from speculators import SpeculatorModelConfig
+        from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    except ImportError as e:
+        pytest.skip(f"speculators not importable here: {e}")
 
     raw = read_config(exported["speculators"])
     cfg = SpeculatorModelConfig.from_dict(raw)
