@@ -1,0 +1,55 @@
+"""The embedded reference target: an ordinary HF checkpoint that draftsman and transformers
+compute identically; and `draftsman demo` (on a tiny pair until the reference drafter exists)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import draftsman
+from draftsman.reference import DRAFTER_DIR, TARGET_DIR, reference_pair
+from draftsman.tokenizer import encode_prompt, load_tokenizer
+
+
+def test_reference_target_matches_transformers():
+    tok = load_tokenizer(TARGET_DIR)
+    ids = torch.tensor([encode_prompt(tok, "How do I sort a list in Python?", chat=True)])
+    hf = AutoModelForCausalLM.from_pretrained(TARGET_DIR, dtype=torch.float32).eval()
+    ours = draftsman.load_target(TARGET_DIR)
+    assert ours.config.architecture == "DeepseekV3ForCausalLM" and ours.config.mla is not None
+    with torch.no_grad():
+        assert (ours(ids) - hf(ids).logits).abs().max() < 1e-4
+
+
+def test_reference_pair_names_what_is_missing():
+    if (DRAFTER_DIR / "config.json").exists():
+        assert all(p.exists() for p in reference_pair())
+    else:
+        with pytest.raises(FileNotFoundError, match="reference-drafter"):
+            reference_pair()
+
+
+def test_demo_json_on_a_tiny_pair(tiny_llama_dir, tmp_path):
+    from test_cli_generate import make_tokenizer
+
+    from draftsman.models.eagle3 import init_drafter, save_drafter
+
+    target_dir = shutil.copytree(tiny_llama_dir, tmp_path / "t")
+    make_tokenizer(target_dir)
+    save_drafter(init_drafter(draftsman.load_target(target_dir), seed=0), tmp_path / "d")
+    res = subprocess.run([sys.executable, "-m", "draftsman.cli", "demo", "--target", str(target_dir),
+                          "--drafter", str(tmp_path / "d"), "--prompt", "hello world", "--prompt", "how are you",
+                          "--max-new-tokens", "12", "--json"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["identical"] is True
+    assert out["num_prompts"] == 2 and out["new_tokens"] > 0
+    assert out["speedup"] == pytest.approx(out["spec_tokens_per_s"] / out["plain_tokens_per_s"], rel=1e-2)
+    # tau = 1 + sum of per-position rates holds for trees too (p_i = rounds accepting >= i)
+    assert out["accept_length"] == pytest.approx(1 + sum(out["accept_rate_per_position"]), abs=1e-3)
