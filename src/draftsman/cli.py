@@ -48,7 +48,7 @@ def print_json(obj: dict) -> None:
 
 # Subcommand modules under draftsman.commands, in --help order. Each module has a docstring
 # (shown by `draftsman CMD --help`), HELP (one line), add_arguments(parser) and run(args).
-COMMANDS = ["demo", "generate", "prepare-data", "train", "dump-hidden", "eval-drafter", "bench", "serve", "export"]
+COMMANDS = ["demo", "generate", "prepare-data", "train", "dump-hidden", "eval-drafter", "bench", "doctor", "serve", "export"]
 
 
 def build_parser() -> argparse.ArgumentParser:
