@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from draftsman.config import TargetConfig
 from draftsman.kvcache import StaticCache
-from draftsman.models.layers import RMSNorm, causal_mask, slot_mask
+from draftsman.models.layers import RMSNorm, resolve_slots
 
 
 @dataclass
@@ -94,17 +94,8 @@ class TargetModel(nn.Module, ABC):
         aux_layer_ids: capture the residual stream entering these layers (id L = output of
             the last layer, before the final norm), per DESIGN.md.
         logits_index: [B, K] positions whose logits to compute (default: all)."""
-        b, t = input_ids.shape
-        device = input_ids.device
-        if cache is not None and cache_index is None:
-            cache_index = positions if positions is not None else _arange(b, t, device)
-        if positions is None:
-            positions = cache_index if cache_index is not None else _arange(b, t, device)
-        if attn_mask is None:
-            if cache is None:
-                attn_mask = causal_mask(b, t, device)
-            else:
-                attn_mask = slot_mask(cache_index, int(cache_index.max()) + 1)
+        positions, cache_index, attn_mask = resolve_slots(input_ids, positions, cache is not None,
+                                                          cache_index, attn_mask)
         self._check_aux_ids(aux_layer_ids)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
@@ -135,9 +126,6 @@ class TargetModel(nn.Module, ABC):
     def checkpoint_name(self, name: str) -> tuple[str, int | None] | str | None:
         """Map a checkpoint tensor name to (parameter, stacked index | None), SKIP or None."""
 
-
-def _arange(b: int, t: int, device: torch.device) -> Tensor:
-    return torch.arange(t, device=device).expand(b, t)
 
 
 def _gather_rows(x: Tensor, index: Tensor) -> Tensor:

@@ -31,8 +31,7 @@ from draftsman.models.layers import (
     SwiGLU,
     apply_rotary,
     attention,
-    causal_mask,
-    slot_mask,
+    resolve_slots,
 )
 from draftsman.weights import (
     CheckpointError,
@@ -218,17 +217,8 @@ class Eagle3Drafter(nn.Module):
         with one, each token's k/v is written at slot cache_index[b, t] (default: positions) and it
         attends over the first S = attn_mask.shape[-1] slots (default: slots <= its own).
         Returns (draft-vocabulary logits [B, T, draft_vocab], un-normed hidden out [B, T, H])."""
-        b, t = input_ids.shape
-        device = input_ids.device
-        if cache is not None and cache_index is None:
-            cache_index = positions if positions is not None else _arange(b, t, device)
-        if positions is None:
-            positions = cache_index if cache_index is not None else _arange(b, t, device)
-        if attn_mask is None:
-            if cache is None:
-                attn_mask = causal_mask(b, t, device)
-            else:
-                attn_mask = slot_mask(cache_index, int(cache_index.max()) + 1)
+        positions, cache_index, attn_mask = resolve_slots(input_ids, positions, cache is not None,
+                                                          cache_index, attn_mask)
         dtype = self.fc.weight.dtype
         embeds = self.embed(input_ids).to(dtype)
         cos, sin = self.rotary(positions, dtype)
@@ -239,9 +229,6 @@ class Eagle3Drafter(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(self.norm(hidden))
 
-
-def _arange(b: int, t: int, device: torch.device) -> Tensor:
-    return torch.arange(t, device=device).expand(b, t)
 
 
 # ---- validation ---------------------------------------------------------------------------------

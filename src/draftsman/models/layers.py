@@ -161,3 +161,24 @@ def slot_mask(cache_index: Tensor, length: int) -> Tensor:
     """Default mask over cache slots: a token written at slot s sees slots 0..s."""
     slots = torch.arange(length, device=cache_index.device)
     return slots[None, None, :] <= cache_index[:, :, None]
+
+
+def resolve_slots(
+    input_ids: Tensor,
+    positions: Tensor | None,
+    cached: bool,
+    cache_index: Tensor | None,
+    attn_mask: Tensor | None,
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """The forward conventions every model shares: positions default to 0..T-1 (or to the cache
+    slots), cache slots to the positions, and the mask to causal (no cache) or to "every slot
+    <= own slot" over the cache."""
+    b, t = input_ids.shape
+    arange = torch.arange(t, device=input_ids.device).expand(b, t)
+    if cached and cache_index is None:
+        cache_index = positions if positions is not None else arange
+    if positions is None:
+        positions = cache_index if cache_index is not None else arange
+    if attn_mask is None:
+        attn_mask = slot_mask(cache_index, int(cache_index.max()) + 1) if cached else causal_mask(b, t, input_ids.device)
+    return positions, cache_index, attn_mask
