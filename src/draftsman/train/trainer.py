@@ -19,6 +19,7 @@ directory and OUT/training_state/ holds the last training state.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import json
 import math
@@ -158,7 +159,7 @@ class MicroBatch:
     draft_logits: Tensor | None = None  # [b, T, Vd] target logits over the draft vocabulary (dumped)
 
 
-class Source:
+class Source(abc.ABC):
     """Examples by index, and how to turn a list of them into a MicroBatch."""
 
     def __init__(self, head: nn.Module, draft_token_ids: Tensor | None = None) -> None:
@@ -170,14 +171,17 @@ class Source:
         if draft_token_ids is not None:
             self.draft_head = self.head.lm_head.weight[draft_token_ids.to(self.head.lm_head.weight.device)]
 
+    @abc.abstractmethod
     def __len__(self) -> int:
-        raise NotImplementedError
+        """Number of examples."""
 
+    @abc.abstractmethod
     def length(self, i: int) -> int:
-        raise NotImplementedError
+        """Token length of example i (for batching by length)."""
 
+    @abc.abstractmethod
     def prepare(self, indices: Sequence[int]) -> MicroBatch:
-        raise NotImplementedError
+        """Examples `indices` as one padded MicroBatch (target run online, or read from a dump)."""
 
     def teacher(self, mb: MicroBatch) -> Teacher:
         """Teacher distribution over the draft vocabulary, computed just before it is needed (it is
