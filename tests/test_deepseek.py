@@ -290,3 +290,21 @@ def test_mtp_layer_tensors_are_skipped(v3, tmp_path):
     model = draftsman.load_target(write_sharded(tensors, tmp_path / "mtp", config))
     assert model.config.num_nextn_predict_layers == 1 and len(model.layers) == n
     assert_matches_hf(hf, model, ids(2, 24))
+
+
+def test_dense_experts_equal_grouped():
+    """The sync-free all-experts path (few experts) computes what the routed loop computes."""
+    from draftsman.config import MoEConfig
+    from draftsman.models.deepseek import Experts
+
+    torch.manual_seed(0)
+    moe = MoEConfig(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
+    experts = Experts(16, moe)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(37, 16)
+    ids = torch.stack([torch.randperm(4)[:2] for _ in range(37)])
+    weights = torch.rand(37, 2)
+    dense, grouped = experts.dense(x, weights, ids), experts.grouped(x, weights, ids)
+    torch.testing.assert_close(dense, grouped, rtol=1e-5, atol=1e-6)
+    assert experts(x, weights, ids).equal(dense)  # 4 experts <= 2 * top-2: the dense path runs

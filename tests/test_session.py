@@ -68,3 +68,36 @@ def test_prompt_too_long_for_session(target):
     with pytest.raises(ValueError, match="exceeds the session's max length 16"):
         session.add([Request(0, list(range(3, 13)), StopRules(max_new_tokens=8))])
     assert session.num_running == 0
+
+
+def test_prefill_groups_respect_the_scores_budget():
+    from draftsman.session import prefill_groups
+
+    lengths = [5, 7, 100, 3, 3, 3, 60]
+    groups = prefill_groups(lengths, max_len=200, heads=2, budget=2 * 100 * 200 * 2)
+    assert [i for g in groups for i in g] == list(range(len(lengths)))  # order kept, none lost
+    for g in groups:
+        assert len(g) == 1 or len(g) * max(lengths[i] for i in g) * 200 * 2 <= 2 * 100 * 200 * 2
+    assert prefill_groups([10_000], max_len=20_000, heads=8, budget=1) == [[0]]
+
+
+@pytest.mark.parametrize("kind", ["plain", "spec"])
+def test_grouped_prefill_same_output(target, kind, monkeypatch):
+    """A budget so small that every request is prefilled alone changes nobody's tokens."""
+    import draftsman.session as session_mod
+
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (6, 11, 4, 9)]
+    rules = StopRules(max_new_tokens=12)
+
+    def run():
+        session = make_session(kind, target)
+        reqs = [Request(i, p, rules) for i, p in enumerate(prompts)]
+        session.add(reqs)
+        while session.num_running:
+            session.step()
+        return [r.state.tokens for r in reqs]
+
+    together = run()
+    monkeypatch.setattr(session_mod, "PREFILL_SCORES_BUDGET", 1)
+    assert run() == together

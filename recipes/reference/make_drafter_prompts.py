@@ -23,6 +23,9 @@ def main() -> None:
     ap.add_argument("--per-source", type=int, default=4000, help="at most this many prompts per source")
     ap.add_argument("--max-chars", type=int, default=3000, help="skip prompts longer than this")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--order", choices=["shuffle", "length"], default="shuffle",
+                    help="length: shortest prompts first, so prepare-data's batches pad little (the "
+                         "trainer shuffles anyway)")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     by_source: dict[str, list[dict]] = {}
@@ -41,6 +44,8 @@ def main() -> None:
         rng.shuffle(records)
         chosen += records[: args.per_source]
     rng.shuffle(chosen)
+    if args.order == "length":
+        chosen.sort(key=lambda r: sum(len(m["content"]) for m in r["messages"]))
     Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in chosen))
     print(json.dumps({"prompts": len(chosen), "by_source": Counter(r["id"].split(":")[0] for r in chosen)}))
 

@@ -202,6 +202,10 @@ def packed_experts_class(base: type[nn.Module]) -> type[nn.Module]:
         up_proj = property(lambda self: _PackedStack(self, "up_proj"))
         down_proj = property(lambda self: _PackedStack(self, "down_proj"))
 
+        def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+            # Expert by expert: only the routed experts are dequantized.
+            return self.grouped(x, weights, ids)
+
     PackedExperts.__name__ = PackedExperts.__qualname__ = f"Packed{base.__name__}"
     return PackedExperts
 

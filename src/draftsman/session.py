@@ -85,12 +85,16 @@ class DecodeSession(abc.ABC):
             return []
         for r in requests:
             self.check_fits(len(r.prompt), r.rules.max_new_tokens)
-        ids, lengths = pad_prompts([r.prompt for r in requests], self.device)
-        params = [r.params for r in requests]
-        caches, tensors, first = self._prefill(ids, lengths, self._sampling_tensors(params))
-        self._join(list(requests), caches, tensors)
-        start = len(self.rows) - len(requests)
-        return self._emit(range(start, len(self.rows)), [[t] for t in first.tolist()])
+        start = len(self.rows)
+        first: list[int] = []
+        for group in prefill_groups([len(r.prompt) for r in requests], self.max_len,
+                                    self.target.config.num_attention_heads):
+            batch = [requests[i] for i in group]
+            ids, lengths = pad_prompts([r.prompt for r in batch], self.device)
+            caches, tensors, tokens = self._prefill(ids, lengths, self._sampling_tensors([r.params for r in batch]))
+            self._join(batch, caches, tensors)
+            first += tokens.tolist()
+        return self._emit(range(start, len(self.rows)), [[t] for t in first])
 
     @torch.no_grad()
     def step(self) -> list[Event]:
@@ -183,6 +187,28 @@ class PlainSession(DecodeSession):
         tok = self.sample_next(logits, t, self.all_greedy)
         t["cur"], t["last"] = t["cur"] + 1, tok
         return self._emit(range(len(self.rows)), [[x] for x in tok.tolist()])  # one host sync
+
+
+# Attention scores one prefill may hold (rows x heads x prompt x slots): large batches of long
+# prompts are prefilled in groups, so a kernel that materializes the scores stays within ~1 GB.
+PREFILL_SCORES_BUDGET = 1 << 28
+
+
+def prefill_groups(lengths: Sequence[int], max_len: int, heads: int,
+                   budget: int | None = None) -> list[list[int]]:
+    """Consecutive groups of request indices whose padded prefill stays within `budget` scores
+    (a single request always forms a group, however long)."""
+    budget = PREFILL_SCORES_BUDGET if budget is None else budget
+    groups: list[list[int]] = []
+    group: list[int] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        if group and (len(group) + 1) * max(longest, n) * max_len * heads > budget:
+            groups.append(group)
+            group, longest = [], 0
+        group.append(i)
+        longest = max(longest, n)
+    return groups + [group] if group else groups
 
 
 def run_to_completion(session: DecodeSession, prompts: Sequence[Sequence[int]], rules: StopRules,
