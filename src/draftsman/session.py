@@ -208,7 +208,7 @@ def prefill_groups(lengths: Sequence[int], max_len: int, heads: int,
             group, longest = [], 0
         group.append(i)
         longest = max(longest, n)
-    return groups + [group] if group else groups
+    return [*groups, group] if group else groups
 
 
 def run_to_completion(session: DecodeSession, prompts: Sequence[Sequence[int]], rules: StopRules,
