@@ -1,37 +1,36 @@
 #!/usr/bin/env bash
-# Train the reference EAGLE-3 drafter with draftsman's own pipeline (run on one GPU):
-#   1. prepare-data: the reference target writes the answers to ShareGPT / GPTeacher / GSM8K-train
-#      prompts (self-distillation; resumable, so a time-boxed run keeps what it wrote);
-#   2. train: EAGLE-3 training-time test, default aux layers [2, L//2, L-3], full 8k vocabulary;
-#   3. eval-drafter: teacher-forced acceptance on held-out target-written answers.
+# Train the reference EAGLE-3 drafter with draftsman's own pipeline, on one GPU:
+#   1. prompts: first user turns of ../shared/data/train, shortest first (make_drafter_prompts.py);
+#   2. prepare-data: the reference target writes every answer (greedy, <= 256 tokens);
+#   3. train, in the two stages the recorded run took: 365 steps of a 3000-step schedule, then a
+#      fresh 2000-step schedule initialised from them (--init); default aux layers, full 8k
+#      vocabulary, TTT 7;
+#   4. eval-drafter: teacher-forced acceptance on 500 held-out target-written conversations;
+#   5. the drafter in bf16, as the package ships it.
 #
-#   bash recipes/reference/train_drafter.sh TARGET_DIR PROMPTS.jsonl OUT_DIR
+#   bash recipes/reference/train_drafter.sh TARGET_DIR OUT_DIR [DATA_DIR]
 #
-# PROMPTS.jsonl comes from make_drafter_prompts.py. Time boxes (seconds, env): PREP_SECONDS
-# (default 240) and TRAIN_SECONDS (default 300): on expiry each phase stops cleanly (SIGINT) and
-# the run goes on with what was written.
-set -uo pipefail
-TARGET=$1; PROMPTS=$2; OUT=$3
+# DATA_DIR defaults to ../shared/data/train. NUM_RECORDS (default 28672: the length-ordered prompts
+# the recorded run's time-boxed prepare-data reached) bounds the data; STAGE1_STEPS (365) and
+# STEPS (2000) the two training stages.
+set -euo pipefail
+TARGET=$1; OUT=$2; DATA=${3:-../shared/data/train}
 PY=${PYTHON:-python3}
-mkdir -p "$OUT"
 DS="$PY -m draftsman.cli"
-timeout -s INT "${PREP_SECONDS:-240}" $DS prepare-data --target "$TARGET" --input "$PROMPTS" \
-    --output "$OUT/data.jsonl" --max-new-tokens 256 --batch-size "${PREP_BATCH:-512}"
-echo "prepare-data exit $?; $(wc -l < "$OUT/data.jsonl") conversations"
-head -n -500 "$OUT/data.jsonl" > "$OUT/train.jsonl"
-tail -n 500 "$OUT/data.jsonl" > "$OUT/heldout.jsonl"
-timeout -s INT "${TRAIN_SECONDS:-300}" $DS train --target "$TARGET" --data "$OUT/train.jsonl" \
-    --out "$OUT/drafter" --epochs "${EPOCHS:-3}" --batch-size 64 --micro-batch-size 32 --max-length 1024 \
-    --lr "${LR:-5e-4}" --ttt-steps 7 --eval-data "$OUT/heldout.jsonl" --eval-samples 200 --eval-every 100 \
-    --no-progress
-echo "train exit $?"
-if [ ! -f "$OUT/drafter/model.safetensors" ]; then  # time box hit: use the last checkpoint
-    last=$(ls -d "$OUT"/drafter/checkpoints/step-* | sort | tail -n 1)
-    echo "using checkpoint $last"
-    mkdir -p "$OUT/final" && cp "$last"/config.json "$last"/model.safetensors "$OUT/final/"
-else
-    mkdir -p "$OUT/final" && cp "$OUT"/drafter/config.json "$OUT"/drafter/model.safetensors "$OUT/final/"
-fi
-$DS eval-drafter --target "$TARGET" --drafter "$OUT/final" --data "$OUT/heldout.jsonl" --num-samples 300 \
+HERE=$(dirname "$0")
+mkdir -p "$OUT"
+$PY "$HERE/make_drafter_prompts.py" --data "$DATA" --out "$OUT/prompts.jsonl" --per-source 100000 --order length
+$DS prepare-data --target "$TARGET" --input "$OUT/prompts.jsonl" --output "$OUT/data.jsonl" \
+    --num-samples "${NUM_RECORDS:-28672}" --max-new-tokens 256 --batch-size 4096
+shuf --random-source=<(yes) "$OUT/data.jsonl" > "$OUT/shuf.jsonl"
+head -n -500 "$OUT/shuf.jsonl" > "$OUT/train.jsonl"
+tail -n 500 "$OUT/shuf.jsonl" > "$OUT/heldout.jsonl"
+COMMON=(--target "$TARGET" --data "$OUT/train.jsonl" --batch-size 64 --micro-batch-size 32 --max-length 768
+        --lr 8e-4 --no-progress)
+$DS train "${COMMON[@]}" --out "$OUT/stage1" --max-steps 3000 --stop-after "${STAGE1_STEPS:-365}" --save-every 100
+stage1=$(ls -d "$OUT"/stage1/checkpoints/step-* | sort | tail -n 1)
+$DS train "${COMMON[@]}" --out "$OUT/stage2" --init "$stage1" --max-steps "${STEPS:-2000}" --save-every 250
+$DS eval-drafter --target "$TARGET" --drafter "$OUT/stage2" --data "$OUT/heldout.jsonl" --num-samples 300 \
     --ttt-steps 7 --json | tail -n 1 > "$OUT/eval.json"
+$PY "$HERE/publish_drafter.py" "$OUT/stage2" "$OUT/drafter" --eval "$OUT/eval.json"
 cat "$OUT/eval.json"
