@@ -1,0 +1,81 @@
+"""The embedded reference pair on the four prompt sets: τ, per-position acceptance and speed-up of
+a chain and two trees over plain decoding, at T=0 and T=1, measured by `draftsman bench` (each
+(set, temperature) is one bench run, so every speed-up compares arms of the same run).
+
+    python benchmarks/reference_pair.py --device cpu --out benchmarks/results/reference_pair_cpu.json
+    python benchmarks/reference_pair.py --device cuda --out benchmarks/results/reference_pair_h200.json
+
+Prints one JSON line: {"device", "runs": [{"dataset", "temperature", "arm", "accept_length",
+"accept_rate_per_position", "tokens_per_s", "speedup", "identical"}...]}; --out also keeps every
+bench run's full JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+# chain of 5, a 6-node tree and the engine's default tree (SGLang meanings: steps, topk, nodes)
+SPECS = {"--spec-steps": "5", "--spec-topk": "1,4", "--spec-draft-tokens": "6,16"}
+
+
+def bench_once(args: argparse.Namespace, dataset: str, temperature: float) -> dict:
+    cmd = [sys.executable, "-m", "draftsman.cli", "bench", "--dataset", dataset,
+           "--num-prompts", str(args.num_prompts), "--max-new-tokens", str(args.max_new_tokens),
+           "--temperature", str(temperature), "--seed", "0", "--warmup", "2", "--device", args.device,
+           "--json"]
+    if args.target:
+        cmd += ["--target", args.target, "--drafter", args.drafter]
+    else:
+        from draftsman import reference_pair
+
+        target, drafter = reference_pair()
+        cmd += ["--target", str(target), "--drafter", str(drafter)]
+    for flag, value in SPECS.items():
+        cmd += [flag, value]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def summarize(result: dict) -> list[dict]:
+    return [{
+        "dataset": result["dataset"], "temperature": result["temperature"], "arm": arm["arm"],
+        "accept_length": arm["accept_length"], "accept_rate_per_position": arm["accept_rate_per_position"],
+        "tokens_per_s": arm["tokens_per_s"], "speedup": arm["speedup"],
+        "identical": result["identical"] if arm["kind"] == "spec" else None,
+    } for arm in result["arms"]]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--datasets", default="mt-bench,humaneval,gsm8k,alpaca")
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--num-prompts", type=int, default=40)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--target", help="default: the embedded reference target")
+    ap.add_argument("--drafter", help="default: the embedded reference drafter")
+    ap.add_argument("--out", help="write every bench run's full JSON here")
+    args = ap.parse_args()
+    full, rows = [], []
+    for dataset in args.datasets.split(","):
+        for t in (float(x) for x in args.temperatures.split(",")):
+            result = bench_once(args, dataset, t)
+            full.append(result)
+            rows += summarize(result)
+            print(f"{dataset} T={t}: " + ", ".join(
+                f"{r['arm']} tau={r['accept_length']} x{r['speedup']}" for r in rows[-len(result['arms']):]),
+                file=sys.stderr)
+    summary = {"device": full[0]["device"] if full else args.device, "num_prompts": args.num_prompts,
+               "max_new_tokens": args.max_new_tokens, "runs": rows}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"summary": summary, "bench": full}, indent=1) + "\n")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
