@@ -14,7 +14,6 @@ its tokens back to the host in that call, so on CUDA the stamp follows the devic
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections import deque
@@ -32,6 +31,7 @@ from draftsman.session import DecodeSession, PlainSession, Request
 from draftsman.spec.engine import SpecConfig, SpecSession
 from draftsman.spec.tree import max_draft_tokens
 from draftsman.spec.verify import summarize_histogram
+from draftsman.train.data import iter_jsonl
 
 # ---- prompt sets ---------------------------------------------------------------------------------
 
@@ -81,21 +81,14 @@ def load_prompt_set(name_or_path: str | Path, num_prompts: int | None = None) ->
     """The first `num_prompts` prompts (all when None) of a bundled set or a JSONL file."""
     path = prompt_set_path(name_or_path)
     prompts: list[str] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if num_prompts is not None and len(prompts) >= num_prompts:
-                break
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not JSON ({e})") from None
-            text = prompt_text(record) if isinstance(record, dict) else record if isinstance(record, str) else None
-            if not isinstance(text, str) or not text:
-                raise ValueError(f"{path}:{lineno}: no prompt found (expected a prompt, turns, question, "
-                                 "instruction, text, messages or conversations field)")
-            prompts.append(text)
+    for lineno, record in iter_jsonl(path):
+        if num_prompts is not None and len(prompts) >= num_prompts:
+            break
+        text = prompt_text(record) if isinstance(record, dict) else record if isinstance(record, str) else None
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"{path}:{lineno}: no prompt found (expected a prompt, turns, question, "
+                             "instruction, text, messages or conversations field)")
+        prompts.append(text)
     if not prompts:
         raise ValueError(f"{path}: no prompts")
     return prompts

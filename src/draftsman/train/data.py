@@ -36,12 +36,9 @@ ID_KEYS = ("id", "question_id", "task_id")
 
 
 # ---- readers ------------------------------------------------------------------------------------
-def read_records(path: str | Path) -> Iterator[tuple[str, list[Message]]]:
-    """Yield (record id, messages) from a .jsonl or .jsonl.gz file.
-
-    The id is the record's `id`, `question_id` or `task_id` (as a string), else its 1-based line
-    number. Blank lines are skipped; a malformed line raises ValueError naming file and line.
-    """
+def iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """Yield (1-based line number, parsed value) of every non-blank line of a .jsonl or
+    .jsonl.gz file; a malformed line or gzip stream raises ValueError naming file and line."""
     path = Path(path)
     opener = gzip.open if path.name.endswith(".gz") else open
     lineno = 0
@@ -51,18 +48,28 @@ def read_records(path: str | Path) -> Iterator[tuple[str, list[Message]]]:
                 if not line.strip():
                     continue
                 try:
-                    record = json.loads(line)
+                    value = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
-                if not isinstance(record, dict):
-                    raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-                try:
-                    messages = record_messages(record)
-                except ValueError as e:
-                    raise ValueError(f"{path}:{lineno}: {e}") from None
-                yield record_id(record, lineno), messages
+                yield lineno, value
     except (EOFError, gzip.BadGzipFile, zlib.error) as e:
         raise ValueError(f"{path}: corrupt or truncated gzip stream after line {lineno}: {e}") from None
+
+
+def read_records(path: str | Path) -> Iterator[tuple[str, list[Message]]]:
+    """Yield (record id, messages) from a .jsonl or .jsonl.gz file.
+
+    The id is the record's `id`, `question_id` or `task_id` (as a string), else its 1-based line
+    number. Blank lines are skipped; a malformed line raises ValueError naming file and line.
+    """
+    for lineno, record in iter_jsonl(path):
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+        try:
+            messages = record_messages(record)
+        except ValueError as e:
+            raise ValueError(f"{path}:{lineno}: {e}") from None
+        yield record_id(record, lineno), messages
 
 
 def record_id(record: dict[str, Any], lineno: int) -> str:
