@@ -60,15 +60,17 @@ def main() -> None:
     ap.add_argument("--drafter", help="default: the embedded reference drafter")
     ap.add_argument("--out", help="write every bench run's full JSON here")
     args = ap.parse_args()
+    if (args.target is None) != (args.drafter is None):
+        ap.error("give both --target and --drafter, or neither (the embedded pair)")
     full, rows = [], []
     for dataset in args.datasets.split(","):
         for t in (float(x) for x in args.temperatures.split(",")):
             result = bench_once(args, dataset, t)
             full.append(result)
-            rows += summarize(result)
+            new = summarize(result)
+            rows += new
             print(f"{dataset} T={t}: " + ", ".join(
-                f"{r['arm']} tau={r['accept_length']} x{r['speedup']}" for r in rows[-len(result['arms']):]),
-                file=sys.stderr)
+                f"{r['arm']} tau={r['accept_length']} x{r['speedup']}" for r in new), file=sys.stderr)
     summary = {"device": full[0]["device"] if full else args.device, "num_prompts": args.num_prompts,
                "max_new_tokens": args.max_new_tokens, "runs": rows}
     if args.out:
