@@ -36,8 +36,10 @@ def bench_once(args: argparse.Namespace, dataset: str, temperature: float) -> di
         cmd += ["--target", str(target), "--drafter", str(drafter)]
     for flag, value in SPECS.items():
         cmd += [flag, value]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def summarize(result: dict) -> list[dict]:
@@ -63,6 +65,11 @@ def main() -> None:
     if (args.target is None) != (args.drafter is None):
         ap.error("give both --target and --drafter, or neither (the embedded pair)")
     full, rows = [], []
+
+    def summary() -> dict:
+        return {"device": full[0]["device"] if full else args.device, "num_prompts": args.num_prompts,
+                "max_new_tokens": args.max_new_tokens, "runs": rows}
+
     for dataset in args.datasets.split(","):
         for t in (float(x) for x in args.temperatures.split(",")):
             result = bench_once(args, dataset, t)
@@ -71,13 +78,7 @@ def main() -> None:
             rows += new
             print(f"{dataset} T={t}: " + ", ".join(
                 f"{r['arm']} tau={r['accept_length']} x{r['speedup']}" for r in new), file=sys.stderr)
-    summary = {"device": full[0]["device"] if full else args.device, "num_prompts": args.num_prompts,
-               "max_new_tokens": args.max_new_tokens, "runs": rows}
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"summary": summary, "bench": full}, indent=1) + "\n")
-    print(json.dumps(summary))
-
-
-if __name__ == "__main__":
-    main()
+            if args.out:  # after every run, so a run cut short keeps what it measured
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.out).write_text(json.dumps({"summary": summary(), "bench": full}, indent=1) + "\n")
+    print(json.dumps(summary()))

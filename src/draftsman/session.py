@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from draftsman.generate import RowState, StopRules, pad_prompts
+from draftsman.graphs import Outputs, full_slot_mask, graph_table, graphs_enabled, signature
 from draftsman.kvcache import StaticCache
 from draftsman.models.base import TargetModel
 from draftsman.sampling import SamplingParams, make_generator, sample, warp_probs
@@ -58,6 +59,10 @@ class DecodeSession(abc.ABC):
         self.rows: list[Request] = []
         self.caches: list[StaticCache] = []
         self.tensors: dict[str, Tensor] = {}  # per-row device state, dim 0 = row
+        # On CUDA every decode/draft/verify forward attends over whole caches (shapes fixed by
+        # the cache, no host sync to size a mask) and is replayed from a CUDA graph.
+        self.static = self.device.type == "cuda"
+        self.graphed = graphs_enabled(self.device)
 
     # ---- public ------------------------------------------------------------------------
     @property
@@ -118,6 +123,15 @@ class DecodeSession(abc.ABC):
     @abc.abstractmethod
     def _round(self) -> list[Event]:
         """Advance every running row by one target forward."""
+
+    def run_step(self, module: torch.nn.Module, kind: str, fn, caches: Sequence[StaticCache],
+                 **inputs: Tensor) -> Outputs:
+        """fn(**inputs), replayed from a CUDA graph captured per (kind, input shapes, caches) when
+        the session is graphed. fn must read nothing else that changes between calls."""
+        if not self.graphed:
+            return fn(**inputs)
+        key = (kind, *signature(inputs, [b for c in caches for b in c.buffers.values()]))
+        return graph_table(module).run(key, fn, inputs)
 
     def _sampling_tensors(self, params: Sequence[SamplingParams]) -> dict[str, Tensor]:
         return {
@@ -183,10 +197,21 @@ class PlainSession(DecodeSession):
 
     def _round(self) -> list[Event]:
         t = self.tensors
-        logits = self.target(t["last"][:, None], cache=self.caches[0], positions=t["cur"][:, None])[:, 0]
+        logits = self._decode(t["last"][:, None], t["cur"][:, None])[:, 0]
         tok = self.sample_next(logits, t, self.all_greedy)
         t["cur"], t["last"] = t["cur"] + 1, tok
         return self._emit(range(len(self.rows)), [[x] for x in tok.tolist()])  # one host sync
+
+
+    def _decode(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        cache = self.caches[0]
+        if not self.static:
+            return self.target(tokens, cache=cache, positions=positions)
+
+        def step(tokens: Tensor, positions: Tensor) -> Tensor:
+            return self.target(tokens, cache=cache, positions=positions,
+                               attn_mask=full_slot_mask(positions, cache.max_len))
+        return self.run_step(self.target, "decode", step, [cache], tokens=tokens, positions=positions)
 
 
 # Attention scores one prefill may hold (rows x heads x prompt x slots): large batches of long

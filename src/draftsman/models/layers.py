@@ -155,7 +155,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Te
     Grouped-query attention when Hkv < H. A query row with no visible key returns zeros
     instead of NaN (padding rows)."""
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    with sdpa_kernel(SDPA_BACKENDS) if q.is_cuda else nullcontext():
+    # Under torch.compile the backend choice is process-wide (see graphs.compile_step).
+    pick = q.is_cuda and not torch.compiler.is_compiling()
+    with sdpa_kernel(SDPA_BACKENDS) if pick else nullcontext():
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=k.shape[1] != q.shape[1]
         )

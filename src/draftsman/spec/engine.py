@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from draftsman.generate import GenerationOutput, StopRules
+from draftsman.graphs import full_slot_mask
 from draftsman.kvcache import StaticCache
 from draftsman.models.base import TargetModel
 from draftsman.sampling import SamplingParams
@@ -69,16 +70,25 @@ class SpecSession(DecodeSession):
         # Drafter pairs (x_{i+1}, f_i): the prompt shifted by one, the new token at len-1.
         shifted = torch.cat([ids[:, 1:], ids[:, :1]], 1).scatter(1, last, first[:, None])
         positions = torch.arange(t, device=ids.device).expand(b, t)
-        d_logits, d_hidden = self._extend(d_cache, shifted, out.aux_hidden, positions, lengths - 1)
+        d_logits, d_hidden = self._extend(d_cache, shifted, out.aux_hidden, positions, lengths - 1, prefill=True)
         state = {"n": lengths.clone(), "root": first, "d_logits": d_logits, "d_hidden": d_hidden, **sampling}
         return [t_cache, d_cache], state, first
 
     def _extend(self, d_cache: StaticCache, tokens: Tensor, aux: list[Tensor] | Tensor, positions: Tensor,
-                last: Tensor) -> tuple[Tensor, Tensor]:
+                last: Tensor, prefill: bool = False) -> tuple[Tensor, Tensor]:
         """Run the drafter over (token, target feature) pairs written at slot = position;
-        return its logits and hidden state at index `last` [B] of each row."""
-        hidden = self.drafter.project(aux)
-        logits, h = self.drafter(tokens, hidden, positions, cache=d_cache, cache_index=positions)
+        return its logits and hidden state at index `last` [B] of each row. Prefills (any length)
+        run eagerly; the per-round extension is a graphed static-shape step."""
+        if prefill or not self.static:
+            hidden = self.drafter.project(aux)
+            logits, h = self.drafter(tokens, hidden, positions, cache=d_cache, cache_index=positions)
+        else:
+            def step(tokens: Tensor, feats: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+                return self.drafter(tokens, self.drafter.project(feats), positions, cache=d_cache,
+                                    cache_index=positions, attn_mask=full_slot_mask(positions, d_cache.max_len))
+            logits, h = self.run_step(self.drafter, "extend", step, [d_cache], tokens=tokens,
+                                      feats=aux if isinstance(aux, Tensor) else torch.cat(aux, -1),
+                                      positions=positions)
         rows = torch.arange(tokens.shape[0], device=tokens.device)
         return logits[rows, last], h[rows, last]
 
@@ -113,10 +123,9 @@ class SpecSession(DecodeSession):
             slots = n[:, None] + own
             f_anc = f_anc.clone()
             f_anc[:, torch.arange(k), own] = True
-            mask = self._scratch_mask(n, f_anc, scratch)
+            mask = self._scratch_mask(n, f_anc, scratch, d_cache)
             positions = (n + d - 1)[:, None].expand(bsz, k)
-            logits, h = self.drafter(f_tokens, f_hidden, positions, cache=d_cache, cache_index=slots,
-                                     attn_mask=mask)
+            logits, h = self._draft_step(d_cache, f_tokens, f_hidden, positions, slots, mask)
             c_scores, c_ids = F.log_softmax(logits.float(), -1).topk(k, dim=-1)  # [B, k, k]
             cum = (f_scores[..., None] + c_scores).reshape(bsz, k * k)
             level = pool.level_slice(d + 1, k)
@@ -131,10 +140,17 @@ class SpecSession(DecodeSession):
             f_anc = f_anc.gather(1, parent[..., None].expand(-1, -1, f_anc.shape[-1]))
         return select_tree(pool, st["root"], self.spec.draft_tokens)
 
-    @staticmethod
-    def _scratch_mask(n: Tensor, anc: Tensor, scratch: int) -> Tensor:
-        """[B, T, S] mask: committed slots [0, n) plus the scratch slots n + j marked in anc."""
-        s = int(n.max()) + scratch
+    def _draft_step(self, d_cache: StaticCache, tokens: Tensor, hidden: Tensor, positions: Tensor,
+                    slots: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        def step(tokens: Tensor, hidden: Tensor, positions: Tensor, slots: Tensor, mask: Tensor):
+            return self.drafter(tokens, hidden, positions, cache=d_cache, cache_index=slots, attn_mask=mask)
+        return self.run_step(self.drafter, "draft", step, [d_cache], tokens=tokens, hidden=hidden,
+                             positions=positions, slots=slots, mask=mask)
+
+    def _scratch_mask(self, n: Tensor, anc: Tensor, scratch: int, cache: StaticCache) -> Tensor:
+        """[B, T, S] mask: committed slots [0, n) plus the scratch slots n + j marked in anc.
+        S covers the whole cache when shapes are static, else just the slots in use."""
+        s = cache.max_len if self.static else int(n.max()) + scratch
         slots = torch.arange(s, device=n.device)
         rel = slots[None, :] - n[:, None]  # [B, S] index into the scratch region
         in_scratch = (rel >= 0) & (rel < scratch)
@@ -146,14 +162,13 @@ class SpecSession(DecodeSession):
         n = st["n"]
         _bsz, m = tree.tokens.shape
         anc = ancestor_mask(tree.parents)  # [B, m, m]
-        mask = self._scratch_mask(n, anc, m)
+        mask = self._scratch_mask(n, anc, m, t_cache)
         slots = n[:, None] + torch.arange(m, device=n.device)
-        out = self.target.run(tree.tokens, positions=n[:, None] + tree.depth, cache=t_cache,
-                              cache_index=slots, attn_mask=mask, aux_layer_ids=self.aux_ids)
+        logits, *aux = self._verify(t_cache, tree.tokens, n[:, None] + tree.depth, slots, mask)
         if self.all_greedy:
-            res = greedy_accept(tree.tokens, tree.parents, out.logits, max_depth=self.spec.steps)
+            res = greedy_accept(tree.tokens, tree.parents, logits, max_depth=self.spec.steps)
         else:  # rows at temperature 0 get one-hot probabilities: greedy acceptance for them
-            res = sample_accept(tree.tokens, tree.parents, self.warped(out.logits), generator=self.generator,
+            res = sample_accept(tree.tokens, tree.parents, self.warped(logits), generator=self.generator,
                                 max_depth=self.spec.steps, max_width=self.spec.topk)
         path = res.path  # [B, D+1] node indices from the root, -1 padded
         depth = path.shape[1] - 1
@@ -161,7 +176,7 @@ class SpecSession(DecodeSession):
         dst = n[:, None] + steps
         src = torch.where(path[:, 1:] >= 0, n[:, None] + path[:, 1:], dst)
         t_cache.compact(src, dst)
-        feats = torch.cat(out.aux_hidden, -1)
+        feats = torch.cat(aux, -1)
         feats = feats.gather(1, path.clamp(min=0)[..., None].expand(-1, -1, feats.shape[-1]))
         emitted = res.accepted_tokens
         tokens = emitted.clamp(min=0)
@@ -170,6 +185,17 @@ class SpecSession(DecodeSession):
         st["n"] = n + res.accept_len + 1
         st["root"] = res.bonus
         return res.accept_len, emitted
+
+
+    def _verify(self, t_cache: StaticCache, tokens: Tensor, positions: Tensor, slots: Tensor,
+                mask: Tensor) -> tuple[Tensor, ...]:
+        """One target forward over the tree: (logits, *aux hidden states)."""
+        def step(tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor) -> tuple[Tensor, ...]:
+            out = self.target.run(tokens, positions=positions, cache=t_cache, cache_index=slots, attn_mask=mask,
+                                  aux_layer_ids=self.aux_ids)
+            return (out.logits, *out.aux_hidden)
+        return self.run_step(self.target, "verify", step, [t_cache], tokens=tokens, positions=positions,
+                             slots=slots, mask=mask)
 
 
 class SpecEngine:

@@ -1,0 +1,320 @@
+"""Plain decoding and speculation-round costs at Llama-3.1-8B geometry on one GPU (random bf16
+weights: a dense model's speed does not depend on their values).
+
+    python benchmarks/h200_decode.py --out benchmarks/results/h200_decode_8b.json
+
+Arms, all batch 1, greedy, one prompt of --prompt-len tokens then --new-tokens tokens:
+  hf_generate       transformers LlamaForCausalLM.generate on the same weights (its default cache)
+  engine_eager      draftsman's PlainSession (eager PyTorch, one host sync per token)
+  graph_eager       the decode step (full-cache mask, no host sync) captured in a CUDA graph
+  graph_compiled    the same step through torch.compile, then captured
+  *_math            a graph arm with attention as matmuls + softmax instead of SDPA
+ms/token = (time for N tokens - time for 1 token) / (N - 1), so prefill is excluded.
+Floor: bytes of all weights / measured copy bandwidth (the issue's definition; `strict_floor_ms`
+counts only what a token must read: weights less the embedding table, plus its KV cache).
+Verify/draft: one target forward over T tokens (T = 1 is a decode step) and one forward of an
+8B-shaped EAGLE-3 drafter over k tokens, each in its own CUDA graph (the best step variant).
+Prints one JSON line; --out keeps it (rewritten after every arm, so a cut-short run keeps what
+it measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from draftsman.config import parse_target_config
+from draftsman.graphs import CudaGraphRunner, compile_step, full_slot_mask
+from draftsman.models import build_target
+from draftsman.models.layers import attention as sdpa_attention
+from draftsman.weights import build_empty
+
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
+}
+
+
+def cuda_time(fn, iters: int) -> float:
+    """Seconds per call of fn, by CUDA events around `iters` calls (after one warm call)."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def copy_bandwidth(gib: float = 4.0) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written per second)."""
+    n = int(gib * (1 << 30)) // 2
+    src = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    best = min(cuda_time(lambda: dst.copy_(src), 5) for _ in range(3))
+    return 2 * n * 2 / best
+
+
+def random_model(raw: dict, seed: int = 0):
+    config = parse_target_config(raw)
+    model = build_empty(lambda: build_target(config), "cuda", torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    return model.eval().requires_grad_(False)
+
+
+def per_token(run, n: int) -> float:
+    """(t(n) - t(1)) / (n - 1) in seconds, each the best of two runs."""
+    def timed(k):
+        best = float("inf")
+        for _ in range(2):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            run(k)
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t)
+        return best
+    return (timed(n) - timed(1)) / (n - 1)
+
+
+def hf_arm(model, raw: dict, prompt: torch.Tensor, n: int) -> dict:
+    import transformers
+
+    cfg = transformers.LlamaConfig(**{k: v for k, v in raw.items() if k != "architectures"})
+    with torch.device("cuda"):
+        hf = transformers.LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+    sd = {("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v for k, v in model.state_dict().items()}
+    hf.load_state_dict(sd, strict=False, assign=True)  # share the same weight tensors
+    hf.eval()
+    out = {}
+
+    def run(k):
+        out["tokens"] = hf.generate(prompt, max_new_tokens=k, min_new_tokens=k, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)[0, prompt.shape[1]:].tolist()
+    return {"ms_per_token": per_token(run, n) * 1e3, "tokens": out["tokens"], "transformers": transformers.__version__}
+
+
+def engine_arm(model, prompt: torch.Tensor, n: int) -> dict:
+    from draftsman.generate import StopRules, generate_plain
+
+    out = {}
+
+    def run(k):
+        out["tokens"] = generate_plain(model, [prompt[0].tolist()], StopRules(max_new_tokens=k)).token_ids[0]
+    return {"ms_per_token": per_token(run, n) * 1e3, "tokens": out["tokens"]}
+
+
+def decode_step_fn(model, cache, max_len: int):
+    """One greedy decode step that feeds itself: reads token/pos, writes the next token and pos+1
+    back into them (so replays chain with no host work)."""
+    def step(token, pos):
+        mask = full_slot_mask(pos, max_len)
+        logits = model.run(token, positions=pos, cache=cache, cache_index=pos, attn_mask=mask).logits
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        token.copy_(nxt)
+        pos.add_(1)
+        return nxt
+    return step
+
+
+def math_attention(q, k, v, mask, scale):
+    """Attention as plain matmuls + masked softmax (fp32 scores), for inductor to fuse; the
+    `_math` arms swap it in for SDPA in the Llama layers."""
+    b, t, h, d = q.shape
+    hkv = k.shape[2]
+    g = h // hkv
+    qg = q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
+    scores = (qg.float() @ k.permute(0, 2, 3, 1).float()) * scale  # [B, Hkv, g*T, S]
+    scores = scores.view(b, hkv, g, t, -1).masked_fill(~mask[:, None, None], float("-inf"))
+    p = scores.softmax(-1).to(v.dtype).view(b, hkv, g * t, -1)
+    out = p @ v.permute(0, 2, 1, 3)  # [B, Hkv, g*T, Dv]
+    return out.view(b, hkv, g, t, -1).permute(0, 3, 1, 2, 4).reshape(b, t, h, -1)
+
+
+def profile_step(step, inputs: dict, steps: int = 5, top: int = 30) -> list[dict]:
+    """GPU time per decode step of the step function run without a graph, by kernel (top N)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step(**inputs)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step(**inputs)
+        torch.cuda.synchronize()
+    rows = [{"kernel": e.key[:120], "us_per_step": e.self_device_time_total / steps, "calls_per_step": e.count / steps}
+            for e in prof.key_averages() if e.self_device_time_total > 0]
+    rows.sort(key=lambda r: -r["us_per_step"])
+    total = sum(r["us_per_step"] for r in rows)
+    return [{"total_us_per_step": total}, *rows[:top]]
+
+
+def graph_arm(model, prompt: torch.Tensor, n: int, compiled: bool, profile: bool = False) -> dict:
+    max_len = prompt.shape[1] + n + 8
+    cache = model.new_cache(1, max_len)
+    step = decode_step_fn(model, cache, max_len)
+    if compiled:
+        t0 = time.perf_counter()
+        step = compile_step(step)
+    first = model.run(prompt, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
+    start_pos = torch.full((1, 1), prompt.shape[1], dtype=torch.long, device="cuda")
+    runner = CudaGraphRunner(step, {"token": first, "pos": start_pos})  # warm-up decodes, rewound below
+    setup_s = time.perf_counter() - t0 if compiled else None
+
+    def rewind():
+        runner.inputs["token"].copy_(first)
+        runner.inputs["pos"].copy_(start_pos)
+
+    tokens = []
+    rewind()
+    for _ in range(n):
+        tokens.append(runner()[0, 0].clone())  # GPU scalars; read once at the end
+    tokens = [first.item(), *torch.stack(tokens).tolist()[:-1]]
+
+    def run(k):
+        rewind()
+        for _ in range(k - 1):
+            runner.graph.replay()
+    out = {"ms_per_token": per_token(run, n) * 1e3, "tokens": tokens}
+    if profile:
+        rewind()
+        out["profile"] = profile_step(step, runner.inputs)
+    if setup_s is not None:
+        out["compile_and_capture_s"] = setup_s
+    return out, runner, cache
+
+
+def forward_graph_ms(fn, example: dict, iters: int = 50) -> float:
+    runner = CudaGraphRunner(fn, example)
+    return cuda_time(runner.graph.replay, iters) * 1e3
+
+
+def verify_costs(model, sizes, ctx_len: int, compiled: bool) -> dict:
+    """ms of one target forward over T tokens at context ctx_len, per T, in CUDA graphs."""
+    max_len = ctx_len + max(sizes) + 8
+    cache = model.new_cache(1, max_len)
+
+    def fwd(tokens, slots):
+        mask = full_slot_mask(slots, max_len)
+        return model.run(tokens, positions=slots, cache=cache, cache_index=slots, attn_mask=mask).logits
+    f = compile_step(fwd) if compiled else fwd
+    out = {}
+    for t in sizes:
+        slots = (ctx_len + torch.arange(t, device="cuda"))[None]
+        tokens = torch.randint(0, model.config.vocab_size, (1, t), device="cuda")
+        out[str(t)] = forward_graph_ms(f, {"tokens": tokens, "slots": slots})
+    return out
+
+
+def draft_costs(model, sizes, ctx_len: int, compiled: bool) -> dict:
+    """ms of one 8B-shaped EAGLE-3 drafter forward (+ log-softmax top-k) over k tokens."""
+    from draftsman.models.eagle3 import init_drafter
+
+    drafter = init_drafter(model, draft_vocab_size=32000, seed=0, dtype=torch.bfloat16)
+    max_len = ctx_len + 64
+    cache = drafter.new_cache(1, max_len)
+    hidden = torch.randn(1, 1, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def fwd(tokens, slots, hidden):
+        mask = full_slot_mask(slots, max_len)
+        logits, _ = drafter(tokens, hidden, slots, cache=cache, cache_index=slots, attn_mask=mask)
+        return torch.log_softmax(logits.float(), -1).topk(4, dim=-1)
+    f = compile_step(fwd) if compiled else fwd
+    out = {}
+    for k in sizes:
+        slots = (ctx_len + torch.arange(k, device="cuda"))[None]
+        tokens = torch.randint(0, 32000, (1, k), device="cuda")
+        out[str(k)] = forward_graph_ms(f, {"tokens": tokens, "slots": slots, "hidden": hidden.expand(1, k, -1)})
+    params = sum(p.numel() for p in drafter.parameters())
+    return {"ms": out, "drafter_params": params}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--arms", default="hf_generate,engine_eager,graph_eager,graph_compiled,verify,draft")
+    ap.add_argument("--profile", action="store_true", help="graph arms: also profile kernels per step")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                 "cuda": torch.version.cuda, "geometry": "llama-3.1-8b", "batch": 1,
+                 "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                 "date": time.strftime("%Y-%m-%d"), "arms": {}, "errors": {}}
+
+    def save():
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+
+    bw = copy_bandwidth()
+    model = random_model(LLAMA_31_8B)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed_bytes = model.embed_tokens.weight.numel() * 2
+    ctx = args.prompt_len + args.new_tokens // 2
+    kv_bytes = 2 * 32 * 8 * 128 * 2 * ctx
+    res.update(copy_bandwidth_TBps=bw / 1e12, weight_bytes=weight_bytes,
+               floor_ms=weight_bytes / bw * 1e3,
+               strict_floor_ms=(weight_bytes - embed_bytes + kv_bytes) / bw * 1e3)
+    save()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    prompt = torch.randint(0, 128000, (1, args.prompt_len), device="cuda", generator=gen)
+    arms = args.arms.split(",")
+    best_compiled = False
+    for arm in arms:
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                if arm == "hf_generate":
+                    r = hf_arm(model, LLAMA_31_8B, prompt, args.new_tokens)
+                elif arm == "engine_eager":
+                    r = engine_arm(model, prompt, args.new_tokens)
+                elif arm.startswith(("graph_eager", "graph_compiled")):
+                    import draftsman.models.llama as llama
+
+                    llama.attention = math_attention if arm.endswith("_math") else sdpa_attention
+                    r, _runner, _cache = graph_arm(model, prompt, args.new_tokens, "compiled" in arm, args.profile)
+                    llama.attention = sdpa_attention
+                    del _runner, _cache
+                    if arm == "graph_compiled":
+                        best_compiled = r["ms_per_token"] < res["arms"].get("graph_eager", {}).get("ms_per_token", 1e9)
+                elif arm == "verify":
+                    r = {"compiled": best_compiled, "ms": verify_costs(model, [1, 6, 16, 32, 64], ctx, best_compiled)}
+                elif arm == "draft":
+                    r = {"compiled": best_compiled} | draft_costs(model, [1, 4, 6, 8], ctx, best_compiled)
+                else:
+                    raise ValueError(f"unknown arm {arm!r}")
+        except Exception as e:  # keep the other arms' figures; say what broke
+            res["errors"][arm] = "".join(traceback.format_exception(e))[-3000:]
+            save()
+            continue
+        r["wall_s"] = time.perf_counter() - t0
+        if "ms_per_token" in r:
+            r["fraction_of_floor"] = res["floor_ms"] / r["ms_per_token"]
+            r["fraction_of_strict_floor"] = res["strict_floor_ms"] / r["ms_per_token"]
+        r.pop("tokens", None)  # random weights: near-tied logits, so greedy tokens are no check here
+        res["arms"][arm] = r
+        print(arm, {k: v for k, v in r.items() if k != "tokens"}, flush=True)
+        save()
+    save()
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""CUDA graphs: capture a forward once for fixed shapes and replay it with one launch.
+
+A decode step of a large model is hundreds of small kernels; launched one by one from Python the
+GPU idles between them (host-bound). A graph replays the whole step from static input/output
+buffers, so the function captured must be free of host syncs and of shapes that depend on data:
+callers pass masks over the whole cache (`full_slot_mask`), never `int(n.max())`-sized ones.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable
+
+import torch
+from torch import Tensor
+
+Outputs = Tensor | tuple[Tensor, ...]
+
+
+def full_slot_mask(cache_index: Tensor, max_len: int) -> Tensor:
+    """[B, T, max_len] mask over every cache slot: a token written at slot s sees slots 0..s.
+    Same as the default mask, but its shape does not depend on the data."""
+    slots = torch.arange(max_len, device=cache_index.device)
+    return slots[None, None, :] <= cache_index[:, :, None]
+
+
+class CudaGraphRunner:
+    """`fn(**inputs)` captured for the shapes, dtypes and devices of `example` inputs.
+
+    Calling the runner copies new inputs into the static buffers and replays the graph; the
+    returned tensors are the graph's static outputs, overwritten by the next call (clone what
+    must outlive it). Tensors `fn` reads besides its inputs (weights, caches) are captured by
+    address: they must stay the same tensor objects for the runner's life."""
+
+    def __init__(self, fn: Callable[..., Outputs], example: dict[str, Tensor], warmup: int = 2,
+                 pool: tuple | None = None) -> None:
+        if not all(t.is_cuda for t in example.values()):
+            raise ValueError("CUDA graphs need CUDA input tensors")
+        self.inputs = {k: v.clone() for k, v in example.items()}
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up off the default stream, as capture requires
+            for _ in range(warmup):
+                fn(**self.inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.outputs = fn(**self.inputs)
+
+    def pool(self) -> tuple:
+        """The graph's memory pool, to share with graphs that never run concurrently."""
+        return self.graph.pool()
+
+    def __call__(self, **inputs: Tensor) -> Outputs:
+        for name, value in inputs.items():
+            self.inputs[name].copy_(value)
+        self.graph.replay()
+        return self.outputs
+
+
+def compile_step(fn: Callable[..., Outputs]) -> Callable[..., Outputs]:
+    """torch.compile a step function for fixed shapes (fusing the small elementwise kernels a
+    graph would still launch one by one). Inside compiled code attention cannot pick its SDPA
+    backend per call, so cuDNN's fused attention (a plan built per shape) is turned off
+    process-wide here."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    return torch.compile(fn, fullgraph=True, dynamic=False)
+
+
+def graphs_enabled(device: torch.device) -> bool:
+    """CUDA graphs on CUDA devices unless DRAFTSMAN_CUDA_GRAPHS=0 (eager, for debugging)."""
+    return device.type == "cuda" and os.environ.get("DRAFTSMAN_CUDA_GRAPHS", "1") != "0"
+
+
+def signature(inputs: dict[str, Tensor], bound: Iterable[Tensor] = ()) -> tuple:
+    """Graph key part: input shapes/dtypes, and the identity (address, shape, strides) of tensors
+    the step writes or reads outside its inputs (cache buffers), which a graph holds by address."""
+    return (tuple((k, tuple(v.shape), v.dtype) for k, v in inputs.items()),
+            tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in bound))
+
+
+class GraphTable:
+    """Graphs of one module's steps, captured on first use of a key and replayed after; the least
+    recently used is dropped beyond `max_graphs`. All share one memory pool (steps of a module
+    never run concurrently; each graph's outputs stay allocated while it is kept)."""
+
+    def __init__(self, max_graphs: int = 64) -> None:
+        self.max_graphs = max_graphs
+        self.runners: OrderedDict[Hashable, CudaGraphRunner] = OrderedDict()
+        self._pool: tuple | None = None
+        self.captures = 0
+
+    def run(self, key: Hashable, fn: Callable[..., Outputs], inputs: dict[str, Tensor]) -> Outputs:
+        runner = self.runners.get(key)
+        if runner is None:
+            while len(self.runners) >= self.max_graphs:
+                self.runners.popitem(last=False)
+            runner = CudaGraphRunner(fn, inputs, pool=self._pool)
+            self._pool = self._pool or runner.pool()
+            self.runners[key] = runner
+            self.captures += 1
+        else:
+            self.runners.move_to_end(key)
+        return runner(**inputs)
+
+
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def graph_table(module: torch.nn.Module) -> GraphTable:
+    """The graph table of a module (one per model, shared by every session that runs it)."""
+    table = _TABLES.get(module)
+    if table is None:
+        table = _TABLES[module] = GraphTable()
+    return table

@@ -1,0 +1,111 @@
+"""Static shapes and CUDA graphs: masks over whole caches decode exactly what dynamic masks do
+(CPU), and graph replays of decode/draft/verify steps equal eager ones (GPU, `-m gpu`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import draftsman
+from draftsman.generate import StopRules
+from draftsman.graphs import CudaGraphRunner, GraphTable, full_slot_mask, signature
+from draftsman.models.layers import slot_mask
+from draftsman.sampling import SamplingParams
+from draftsman.session import PlainSession, run_to_completion
+from draftsman.spec.engine import SpecConfig, SpecSession
+
+SPECS = [SpecConfig.chain(4), SpecConfig(steps=4, topk=3, draft_tokens=10)]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target, drafter = draftsman.reference_pair()
+    t = draftsman.load_target(target)
+    return t, draftsman.load_drafter(drafter, target=t)
+
+
+def prompts(n=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, 8000, (k,), generator=g).tolist() for k in (9, 17, 5)[:n]]
+
+
+def decode(session, params, new=24):
+    done = run_to_completion(session, prompts(), StopRules(max_new_tokens=new), params)
+    return [r.state.tokens for r in done], [r.histogram for r in done]
+
+
+def test_full_slot_mask_extends_the_default_mask():
+    index = torch.tensor([[3, 4], [0, 1]])
+    full = full_slot_mask(index, 9)
+    assert full.shape == (2, 2, 9)
+    assert torch.equal(full[..., :5], slot_mask(index, 5)) and not full[..., 5:].any()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("spec", [None, *SPECS], ids=["plain", "chain", "tree"])
+def test_static_masks_decode_the_same_tokens(pair, spec, temperature):
+    """On CPU sessions size masks by the slots in use; on CUDA by the whole cache. Same output,
+    same acceptance, same random stream."""
+    target, drafter = pair
+    params = SamplingParams(temperature=temperature, seed=7)
+    outs = []
+    for static in (False, True):
+        session = (PlainSession(target, 64, seed=7) if spec is None
+                   else SpecSession(target, drafter, spec, 64, seed=7))
+        session.static = static
+        outs.append(decode(session, params))
+    assert outs[0] == outs[1]
+    if spec is not None and temperature == 0:
+        assert sum(sum(h[1:]) for h in outs[0][1]) > 0  # some drafts accepted: compaction exercised
+
+
+def test_signature_tells_caches_apart():
+    a, b = torch.zeros(2, 3), torch.zeros(2, 3)
+    x = {"x": torch.zeros(4)}
+    assert signature(x, [a]) == signature(x, [a])
+    assert signature(x, [a]) != signature(x, [b])
+    assert signature(x, [a]) != signature({"x": torch.zeros(5)}, [a])
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+def test_graph_runner_replays_the_function():
+    w = torch.randn(8, 8, device="cuda")
+    runner = CudaGraphRunner(lambda x: (x @ w).relu(), {"x": torch.randn(4, 8, device="cuda")})
+    for _ in range(3):
+        x = torch.randn(4, 8, device="cuda")
+        torch.testing.assert_close(runner(x=x), (x @ w).relu())
+
+
+@pytest.mark.gpu
+@gpu
+def test_graph_table_captures_once_per_key_and_evicts():
+    table = GraphTable(max_graphs=2)
+    fn = lambda x: x * 2  # noqa: E731
+    for n in (3, 3, 4, 5, 3):
+        x = torch.ones(n, device="cuda")
+        assert torch.equal(table.run(("f", n), fn, {"x": x}), x * 2)
+    assert table.captures == 4 and len(table.runners) == 2
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("spec", [None, *SPECS], ids=["plain", "chain", "tree"])
+def test_graphed_sessions_equal_eager_ones(spec, temperature):
+    """The reference pair on the GPU in fp32: graph replays decode what eager static-shape
+    forwards decode (bf16 would differ by kernel choice, not by the graphs)."""
+    target_dir, drafter_dir = draftsman.reference_pair()
+    target = draftsman.load_target(target_dir, device="cuda")
+    drafter = draftsman.load_drafter(drafter_dir, target=target, device="cuda")
+    params = SamplingParams(temperature=temperature, seed=7)
+    outs = []
+    for graphed in (False, True):
+        session = (PlainSession(target, 64, seed=7) if spec is None
+                   else SpecSession(target, drafter, spec, 64, seed=7))
+        session.graphed = graphed
+        outs.append(decode(session, params))
+    assert outs[0] == outs[1]
