@@ -14,6 +14,8 @@ Floor: bytes of all weights / measured copy bandwidth (the issue's definition; `
 counts only what a token must read: weights less the embedding table, plus its KV cache).
 Verify/draft: one target forward over T tokens (T = 1 is a decode step) and one forward of an
 8B-shaped EAGLE-3 drafter over k tokens, each in its own CUDA graph (the best step variant).
+rounds: the engine's own plain step and whole speculation rounds (chain and 16/32/64-node trees)
+with that drafter, as session.step() calls (see round_costs).
 Prints one JSON line; --out keeps it (rewritten after every arm, so a cut-short run keeps what
 it measured).
 """
@@ -244,6 +246,41 @@ def draft_costs(model, sizes, ctx_len: int, compiled: bool) -> dict:
     return {"ms": out, "drafter_params": params}
 
 
+ROUND_SPECS = {"chain6": (5, 1, 6), "tree16": (5, 4, 16), "tree32": (6, 6, 32), "tree64": (7, 8, 64)}
+
+
+def round_costs(model, ctx_len: int, rounds: int = 20) -> dict:
+    """ms of one engine step (plain: a decode step; spec: a whole round, draft + verify + accept +
+    drafter extension, greedy so the round is one graph) with an 8B-shaped drafter, batch 1.
+    Timed by the host clock around `rounds` session.step() calls after 3 warm-up steps (the
+    first captures the graphs), each ending in the round's one host sync."""
+    from draftsman.generate import StopRules
+    from draftsman.models.eagle3 import init_drafter
+    from draftsman.session import PlainSession, Request
+    from draftsman.spec.engine import SpecConfig, SpecSession
+
+    drafter = init_drafter(model, draft_vocab_size=32000, seed=0, dtype=torch.bfloat16)
+    prompt = torch.randint(0, 128000, (ctx_len,), generator=torch.Generator().manual_seed(2)).tolist()
+    budget = 16 * (rounds + 4)
+    sessions = {"plain": lambda: PlainSession(model, ctx_len + budget + 1)}
+    for name, (steps, topk, n) in ROUND_SPECS.items():
+        sessions[name] = (lambda cfg: lambda: SpecSession(model, drafter, cfg, ctx_len + budget + 1))(
+            SpecConfig(steps=steps, topk=topk, draft_tokens=n))
+    out = {}
+    for name, make in sessions.items():
+        session = make()
+        session.add([Request(0, prompt, StopRules(max_new_tokens=budget))])
+        for _ in range(3):
+            session.step()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(rounds):
+            session.step()
+        out[name] = (time.perf_counter() - t) / rounds * 1e3
+    return {"ms": out, "over_plain_step": {k: v / out["plain"] for k, v in out.items() if k != "plain"},
+            "specs": ROUND_SPECS}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -296,6 +333,8 @@ def main() -> None:
                         best_compiled = r["ms_per_token"] < res["arms"].get("graph_eager", {}).get("ms_per_token", 1e9)
                 elif arm == "verify":
                     r = {"compiled": best_compiled, "ms": verify_costs(model, [1, 6, 16, 32, 64], ctx, best_compiled)}
+                elif arm == "rounds":
+                    r = round_costs(model, ctx)
                 elif arm == "draft":
                     r = {"compiled": best_compiled} | draft_costs(model, [1, 4, 6, 8], ctx, best_compiled)
                 else:

@@ -82,3 +82,7 @@ def main() -> None:
                 Path(args.out).parent.mkdir(parents=True, exist_ok=True)
                 Path(args.out).write_text(json.dumps({"summary": summary(), "bench": full}, indent=1) + "\n")
     print(json.dumps(summary()))
+
+
+if __name__ == "__main__":
+    main()

@@ -8,7 +8,7 @@ import torch
 
 import draftsman
 from draftsman.generate import StopRules
-from draftsman.graphs import CudaGraphRunner, GraphTable, full_slot_mask, signature
+from draftsman.graphs import CudaGraphRunner, GraphTable, full_slot_mask, graph_table, signature
 from draftsman.models.layers import slot_mask
 from draftsman.sampling import SamplingParams
 from draftsman.session import PlainSession, run_to_completion
@@ -109,3 +109,22 @@ def test_graphed_sessions_equal_eager_ones(spec, temperature):
         session.graphed = graphed
         outs.append(decode(session, params))
     assert outs[0] == outs[1]
+    for module in (target, drafter):
+        assert not graph_table(module).failed, graph_table(module).failed
+    assert graph_table(target).captures > 0
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("spec", SPECS, ids=["chain", "tree"])
+def test_graphed_speculation_equals_plain_decoding_in_fp32(spec):
+    """Greedy speculation on the GPU (whole-round graphs) decodes exactly what graphed plain
+    decoding does, in fp32 (bf16 may flip near-tied argmaxes between verify and decode shapes)."""
+    target_dir, drafter_dir = draftsman.reference_pair()
+    target = draftsman.load_target(target_dir, device="cuda")
+    drafter = draftsman.load_drafter(drafter_dir, target=target, device="cuda")
+    params = SamplingParams(temperature=0.0)
+    plain, _ = decode(PlainSession(target, 96), params, new=48)
+    spec_out, hist = decode(SpecSession(target, drafter, spec, 96), params, new=48)
+    assert spec_out == plain
+    assert sum(sum(h[1:]) for h in hist) > 0

@@ -9,6 +9,7 @@ callers pass masks over the whole cache (`full_slot_mask`), never `int(n.max())`
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
@@ -91,13 +92,22 @@ class GraphTable:
         self.runners: OrderedDict[Hashable, CudaGraphRunner] = OrderedDict()
         self._pool: tuple | None = None
         self.captures = 0
+        self.failed: dict[Hashable, str] = {}  # keys whose capture failed: run eagerly, with why
 
     def run(self, key: Hashable, fn: Callable[..., Outputs], inputs: dict[str, Tensor]) -> Outputs:
+        if key in self.failed:
+            return fn(**inputs)
         runner = self.runners.get(key)
         if runner is None:
             while len(self.runners) >= self.max_graphs:
                 self.runners.popitem(last=False)
-            runner = CudaGraphRunner(fn, inputs, pool=self._pool)
+            try:
+                runner = CudaGraphRunner(fn, inputs, pool=self._pool)
+            except RuntimeError as e:  # e.g. a host sync in fn: correct eagerly, only slower
+                self.failed[key] = f"{type(e).__name__}: {e}"
+                warnings.warn(f"CUDA graph capture failed, running this step eagerly: {e}", stacklevel=2)
+                torch.cuda.synchronize()
+                return fn(**inputs)
             self._pool = self._pool or runner.pool()
             self.runners[key] = runner
             self.captures += 1

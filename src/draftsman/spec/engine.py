@@ -28,7 +28,13 @@ from draftsman.models.base import TargetModel
 from draftsman.sampling import SamplingParams
 from draftsman.session import DecodeSession, Event, run_to_completion
 from draftsman.spec.tree import CandidatePool, VerifyTree, check_tree_args, select_tree
-from draftsman.spec.verify import ancestor_mask, greedy_accept, sample_accept, summarize_histogram
+from draftsman.spec.verify import (
+    AcceptResult,
+    ancestor_mask,
+    greedy_accept,
+    sample_accept,
+    summarize_histogram,
+)
 
 
 @dataclass(frozen=True)
@@ -75,10 +81,11 @@ class SpecSession(DecodeSession):
         return [t_cache, d_cache], state, first
 
     def _extend(self, d_cache: StaticCache, tokens: Tensor, aux: list[Tensor] | Tensor, positions: Tensor,
-                last: Tensor, prefill: bool = False) -> tuple[Tensor, Tensor]:
+                last: Tensor, prefill: bool = False, graph: bool = True) -> tuple[Tensor, Tensor]:
         """Run the drafter over (token, target feature) pairs written at slot = position;
         return its logits and hidden state at index `last` [B] of each row. Prefills (any length)
-        run eagerly; the per-round extension is a graphed static-shape step."""
+        run eagerly; per-round extensions are static-shape steps (graphed unless `graph` is
+        False: already inside a captured round)."""
         if prefill or not self.static:
             hidden = self.drafter.project(aux)
             logits, h = self.drafter(tokens, hidden, positions, cache=d_cache, cache_index=positions)
@@ -86,16 +93,25 @@ class SpecSession(DecodeSession):
             def step(tokens: Tensor, feats: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
                 return self.drafter(tokens, self.drafter.project(feats), positions, cache=d_cache,
                                     cache_index=positions, attn_mask=full_slot_mask(positions, d_cache.max_len))
-            logits, h = self.run_step(self.drafter, "extend", step, [d_cache], tokens=tokens,
-                                      feats=aux if isinstance(aux, Tensor) else torch.cat(aux, -1),
-                                      positions=positions)
+            inputs = {"tokens": tokens, "feats": aux if isinstance(aux, Tensor) else torch.cat(aux, -1),
+                      "positions": positions}
+            logits, h = (self.run_step(self.drafter, "extend", step, [d_cache], **inputs) if graph
+                         else step(**inputs))
         rows = torch.arange(tokens.shape[0], device=tokens.device)
         return logits[rows, last], h[rows, last]
 
     # ---- one round ----------------------------------------------------------------------
     def _round(self) -> list[Event]:
-        tree = self._draft()
-        accept_len, emitted = self._verify_and_accept(tree)
+        st = self.tensors
+        state = {k: st[k] for k in ("n", "root", "d_logits", "d_hidden")}
+        if self.static and self.all_greedy:
+            # Greedy rounds have no host sync and fixed shapes: one graph for the whole round.
+            accept_len, emitted, *new = self.run_step(self.target, ("round", self.spec, self.drafter),
+                                                      self._greedy_round, self.caches, **state)
+        else:
+            tree = self._draft_tree(state)
+            accept_len, emitted, *new = self._verify_and_accept(tree, state["n"])
+        st["n"], st["root"], st["d_logits"], st["d_hidden"] = new
         lens, toks = accept_len.tolist(), emitted.tolist()  # the round's host sync
         for row, a in zip(self.rows, lens, strict=True):
             if len(row.histogram) <= a:
@@ -103,29 +119,43 @@ class SpecSession(DecodeSession):
             row.histogram[a] += 1
         return self._emit(range(len(self.rows)), [t[: a + 1] for t, a in zip(toks, lens, strict=True)])
 
-    def _draft(self) -> VerifyTree:
+    def _greedy_round(self, n: Tensor, root: Tensor, d_logits: Tensor, d_hidden: Tensor) -> tuple[Tensor, ...]:
+        tree = self._draft(n, root, d_logits, d_hidden)
+        logits, *aux = self._target_verify(**self._verify_inputs(tree, n))
+        res = greedy_accept(tree.tokens, tree.parents, logits, max_depth=self.spec.steps)
+        return self._commit(res, n, aux, graph=False)
+
+    def _draft_tree(self, state: dict[str, Tensor]) -> VerifyTree:
+        """The draft phase alone (sampled rounds), graphed when static: it has no host sync."""
+        if not self.static:
+            return self._draft(**state)
+        fn = lambda **kw: dataclasses.astuple(self._draft(**kw))  # noqa: E731
+        return VerifyTree(*self.run_step(self.drafter, ("draft", self.spec), fn, [self.caches[1]], **state))
+
+    def _draft(self, n: Tensor, root: Tensor, d_logits: Tensor, d_hidden: Tensor) -> VerifyTree:
         k, steps = self.spec.topk, self.spec.steps
-        st, d_cache = self.tensors, self.caches[1]
-        n = st["n"]
+        d_cache = self.caches[1]
         bsz, device = n.shape[0], n.device
         pool = CandidatePool.empty(bsz, steps, k, device)
-        scores, ids = F.log_softmax(st["d_logits"].float(), -1).topk(k, dim=-1)
+        scores, ids = F.log_softmax(d_logits.float(), -1).topk(k, dim=-1)
         level = pool.level_slice(1, k)
         pool.tokens[:, level] = self.drafter.draft_to_target(ids)
         pool.scores[:, level] = scores
         f_tokens, f_scores = pool.tokens[:, level], scores
         f_pool = torch.arange(k, device=device).expand(bsz, k)
-        f_hidden = st["d_hidden"][:, None].expand(-1, k, -1)
+        f_hidden = d_hidden[:, None].expand(-1, k, -1)
         scratch = (steps - 1) * k
         f_anc = torch.zeros(bsz, k, max(scratch, 1), dtype=torch.bool, device=device)
+        eye = torch.eye(k, dtype=torch.bool, device=device)
         for d in range(1, steps):
             own = (d - 1) * k + torch.arange(k, device=device)  # scratch index of each frontier node
             slots = n[:, None] + own
             f_anc = f_anc.clone()
-            f_anc[:, torch.arange(k), own] = True
+            f_anc[:, :, (d - 1) * k : d * k] |= eye  # each frontier node is its own ancestor
             mask = self._scratch_mask(n, f_anc, scratch, d_cache)
             positions = (n + d - 1)[:, None].expand(bsz, k)
-            logits, h = self._draft_step(d_cache, f_tokens, f_hidden, positions, slots, mask)
+            logits, h = self.drafter(f_tokens, f_hidden, positions, cache=d_cache, cache_index=slots,
+                                     attn_mask=mask)
             c_scores, c_ids = F.log_softmax(logits.float(), -1).topk(k, dim=-1)  # [B, k, k]
             cum = (f_scores[..., None] + c_scores).reshape(bsz, k * k)
             level = pool.level_slice(d + 1, k)
@@ -138,14 +168,7 @@ class SpecSession(DecodeSession):
             f_pool = level.start + best
             f_hidden = h.gather(1, parent[..., None].expand(-1, -1, h.shape[-1]))
             f_anc = f_anc.gather(1, parent[..., None].expand(-1, -1, f_anc.shape[-1]))
-        return select_tree(pool, st["root"], self.spec.draft_tokens)
-
-    def _draft_step(self, d_cache: StaticCache, tokens: Tensor, hidden: Tensor, positions: Tensor,
-                    slots: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-        def step(tokens: Tensor, hidden: Tensor, positions: Tensor, slots: Tensor, mask: Tensor):
-            return self.drafter(tokens, hidden, positions, cache=d_cache, cache_index=slots, attn_mask=mask)
-        return self.run_step(self.drafter, "draft", step, [d_cache], tokens=tokens, hidden=hidden,
-                             positions=positions, slots=slots, mask=mask)
+        return select_tree(pool, root, self.spec.draft_tokens)
 
     def _scratch_mask(self, n: Tensor, anc: Tensor, scratch: int, cache: StaticCache) -> Tensor:
         """[B, T, S] mask: committed slots [0, n) plus the scratch slots n + j marked in anc.
@@ -157,19 +180,37 @@ class SpecSession(DecodeSession):
         picked = anc.gather(2, rel.clamp(0, anc.shape[-1] - 1)[:, None, :].expand(-1, anc.shape[1], -1))
         return (rel < 0)[:, None, :] | (in_scratch[:, None, :] & picked)
 
-    def _verify_and_accept(self, tree: VerifyTree) -> tuple[Tensor, Tensor]:
-        st, t_cache, d_cache = self.tensors, self.caches[0], self.caches[1]
-        n = st["n"]
-        _bsz, m = tree.tokens.shape
-        anc = ancestor_mask(tree.parents)  # [B, m, m]
-        mask = self._scratch_mask(n, anc, m, t_cache)
-        slots = n[:, None] + torch.arange(m, device=n.device)
-        logits, *aux = self._verify(t_cache, tree.tokens, n[:, None] + tree.depth, slots, mask)
+    def _verify_inputs(self, tree: VerifyTree, n: Tensor) -> dict[str, Tensor]:
+        m = tree.tokens.shape[1]
+        return {"tokens": tree.tokens, "positions": n[:, None] + tree.depth,
+                "slots": n[:, None] + torch.arange(m, device=n.device),
+                "mask": self._scratch_mask(n, ancestor_mask(tree.parents), m, self.caches[0])}
+
+    def _target_verify(self, tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor) -> tuple[Tensor, ...]:
+        """One target forward over the tree, written at slots n + node: (logits, *aux states)."""
+        out = self.target.run(tokens, positions=positions, cache=self.caches[0], cache_index=slots, attn_mask=mask,
+                              aux_layer_ids=self.aux_ids)
+        return (out.logits, *out.aux_hidden)
+
+    def _verify_and_accept(self, tree: VerifyTree, n: Tensor) -> tuple[Tensor, ...]:
+        """Verify (a graphed forward when static) and accept with the per-row sampling rules."""
+        inputs = self._verify_inputs(tree, n)
+        if self.static:
+            logits, *aux = self.run_step(self.target, ("verify", self.aux_ids), self._target_verify,
+                                         [self.caches[0]], **inputs)
+        else:
+            logits, *aux = self._target_verify(**inputs)
         if self.all_greedy:
             res = greedy_accept(tree.tokens, tree.parents, logits, max_depth=self.spec.steps)
         else:  # rows at temperature 0 get one-hot probabilities: greedy acceptance for them
             res = sample_accept(tree.tokens, tree.parents, self.warped(logits), generator=self.generator,
                                 max_depth=self.spec.steps, max_width=self.spec.topk)
+        return self._commit(res, n, aux, graph=True)
+
+    def _commit(self, res: AcceptResult, n: Tensor, aux: list[Tensor], graph: bool) -> tuple[Tensor, ...]:
+        """Move the accepted path's cache entries next to the prefix, extend the drafter over it;
+        (accept_len, emitted tokens, new n, new root, new drafter logits, new drafter hidden)."""
+        t_cache, d_cache = self.caches
         path = res.path  # [B, D+1] node indices from the root, -1 padded
         depth = path.shape[1] - 1
         steps = torch.arange(1, depth + 1, device=n.device)
@@ -179,23 +220,10 @@ class SpecSession(DecodeSession):
         feats = torch.cat(aux, -1)
         feats = feats.gather(1, path.clamp(min=0)[..., None].expand(-1, -1, feats.shape[-1]))
         emitted = res.accepted_tokens
-        tokens = emitted.clamp(min=0)
         positions = n[:, None] + torch.arange(depth + 1, device=n.device)
-        st["d_logits"], st["d_hidden"] = self._extend(d_cache, tokens, feats, positions, res.accept_len)
-        st["n"] = n + res.accept_len + 1
-        st["root"] = res.bonus
-        return res.accept_len, emitted
-
-
-    def _verify(self, t_cache: StaticCache, tokens: Tensor, positions: Tensor, slots: Tensor,
-                mask: Tensor) -> tuple[Tensor, ...]:
-        """One target forward over the tree: (logits, *aux hidden states)."""
-        def step(tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor) -> tuple[Tensor, ...]:
-            out = self.target.run(tokens, positions=positions, cache=t_cache, cache_index=slots, attn_mask=mask,
-                                  aux_layer_ids=self.aux_ids)
-            return (out.logits, *out.aux_hidden)
-        return self.run_step(self.target, "verify", step, [t_cache], tokens=tokens, positions=positions,
-                             slots=slots, mask=mask)
+        d_logits, d_hidden = self._extend(d_cache, emitted.clamp(min=0), feats, positions, res.accept_len,
+                                          graph=graph)
+        return res.accept_len, emitted, n + res.accept_len + 1, res.bonus, d_logits, d_hidden
 
 
 class SpecEngine:
