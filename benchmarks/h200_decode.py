@@ -29,22 +29,13 @@ import traceback
 from pathlib import Path
 
 import torch
+from geometries import LLAMA_31_8B  # benchmarks/ is on sys.path when run as a script
 
 from draftsman.config import parse_target_config
 from draftsman.graphs import CudaGraphRunner, compile_step, full_slot_mask
 from draftsman.models import build_target
 from draftsman.models.layers import attention as sdpa_attention
 from draftsman.weights import build_empty
-
-LLAMA_31_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
-}
 
 
 def cuda_time(fn, iters: int) -> float:

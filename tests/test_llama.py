@@ -105,3 +105,17 @@ def test_aux_layer_id_range(pair):
     assert out.aux_hidden[0].shape == (1, 5, 64)  # the pre-norm output of the last layer
     with pytest.raises(ValueError, match="out of range"):
         ours.run(torch.randint(0, 256, (1, 5)), aux_layer_ids=[n + 1])
+
+
+def test_fused_projections_compute_the_same_and_keep_names(tiny_llama_dir):
+    plain = draftsman.load_target(tiny_llama_dir, fuse=False)
+    fused = draftsman.load_target(tiny_llama_dir)
+    attn, mlp = fused.layers[0].self_attn, fused.layers[0].mlp
+    assert hasattr(attn, "qkv_proj") and hasattr(mlp, "gate_up_proj")
+    assert not hasattr(plain.layers[0].self_attn, "qkv_proj")
+    # the originals are views of the fused weights: one copy in memory, same names and values
+    assert attn.q_proj.weight.data_ptr() == attn.qkv_proj.weight.data_ptr()
+    assert fused.state_dict().keys() == plain.state_dict().keys()
+    assert sum(p.numel() for p in fused.parameters()) == sum(p.numel() for p in plain.parameters())
+    ids = torch.randint(0, fused.config.vocab_size, (2, 9))
+    torch.testing.assert_close(fused(ids), plain(ids), rtol=1e-5, atol=1e-5)

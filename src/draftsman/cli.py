@@ -26,10 +26,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def add_device_args(p: argparse.ArgumentParser) -> None:
+def add_device_args(p: argparse.ArgumentParser, dtype_default: str = "auto",
+                    dtype_help: str = "default: bfloat16 on GPU, float32 on CPU") -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if available)")
-    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
-                   help="weights/activations dtype (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--dtype", default=dtype_default, choices=["auto", *DTYPES],
+                   help=f"weights/activations dtype ({dtype_help})")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

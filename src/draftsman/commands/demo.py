@@ -33,7 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-topk", type=int, default=None, help="branching per step")
     p.add_argument("--spec-draft-tokens", type=int, default=None, help="verified tree nodes incl. root")
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default 1)")
-    add_device_args(p)
+    add_device_args(p, "float32", "default float32, so plain and speculative outputs must match token for "
+                    "token on any device; in bf16 a GPU's verify and decode GEMMs round near-tied logits "
+                    "differently")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 

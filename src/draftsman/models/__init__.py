@@ -52,13 +52,15 @@ def load_target(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     device_map: DeviceMap = None,
+    fuse: bool = True,
 ) -> TargetModel:
     """Load an HF checkpoint directory as a draftsman target model in eval mode.
 
     INT4 compressed-tensors (pack-quantized) checkpoints load packed and dequantize per layer as
     they compute (draftsman.quant). device_map: None (everything on `device`), "auto" (a
     pipeline over all visible GPUs; `device` when there are none), or a list of devices
-    ("cuda:0,cuda:1" or ["cpu", "cpu"]) to split the layers over, in order."""
+    ("cuda:0,cuda:1" or ["cpu", "cpu"]) to split the layers over, in order. fuse: one GEMM for
+    q/k/v and for gate/up (TargetModel.fuse_projections; names and state_dict unchanged)."""
     config = load_target_config(path)
     quant = read_quant_config(path)
     names = checkpoint_tensor_names(path) if quant is not None else []
@@ -103,7 +105,8 @@ def load_target(
     if layer_devices is not None:
         install_pipeline(model, index, devices)
     model.source_dir = Path(path)
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    return model.fuse_projections() if fuse else model
 
 
 # ---- placement --------------------------------------------------------------------------------

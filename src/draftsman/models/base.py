@@ -70,6 +70,16 @@ class TargetModel(nn.Module, ABC):
             dtype=dtype or self.embed_tokens.weight.dtype,
         )
 
+    def fuse_projections(self) -> TargetModel:
+        """Fuse projections that read the same input (q/k/v, gate/up) into one GEMM each, for
+        inference; parameter names, values and the state_dict are unchanged (the originals
+        become views of the fused weights, which are not registered). Call it once the model
+        sits on its final device: moving it afterwards would leave the fused weights behind."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "fuse"):
+                module.fuse()
+        return self
+
     # ---- forward ------------------------------------------------------------------------
     def forward(self, input_ids: Tensor, **kwargs) -> Tensor:
         return self.run(input_ids, **kwargs).logits

@@ -7,7 +7,7 @@ from torch import Tensor, nn
 
 from draftsman.config import TargetConfig
 from draftsman.models.base import AttnContext, TargetModel
-from draftsman.models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, attention
+from draftsman.models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, attention, fuse_linears
 from draftsman.weights import SKIP
 
 
@@ -28,9 +28,14 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: Tensor, ctx: AttnContext, layer: int) -> Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim)
+        if hasattr(self, "qkv_proj"):
+            q, k, v = self.qkv_proj(x).split([self.n_heads * self.head_dim, self.n_kv * self.head_dim,
+                                              self.n_kv * self.head_dim], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, t, self.n_heads, self.head_dim)
+        k = k.view(b, t, self.n_kv, self.head_dim)
+        v = v.view(b, t, self.n_kv, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
@@ -40,6 +45,13 @@ class LlamaAttention(nn.Module):
             k, v = ctx.cache.read(layer, "k", s), ctx.cache.read(layer, "v", s)
         out = attention(q, k, v, ctx.mask, self.scale)
         return self.o_proj(out.reshape(b, t, -1))
+
+
+    def fuse(self) -> None:
+        """One GEMM for q, k and v (inference): see fuse_linears."""
+        fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        if fused is not None:  # a plain attribute: not a submodule, so never counted or saved twice
+            object.__setattr__(self, "qkv_proj", fused)
 
 
 class LlamaDecoderLayer(nn.Module):
