@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 from geometries import LLAMA_31_8B  # benchmarks/ is on sys.path when run as a script
+from h200_json import update_h200_json
 
 from draftsman.config import parse_target_config
 from draftsman.graphs import CudaGraphRunner, compile_step, full_slot_mask
@@ -59,7 +60,8 @@ def copy_bandwidth(gib: float = 4.0) -> float:
     return 2 * n * 2 / best
 
 
-def random_model(raw: dict, seed: int = 0):
+def random_model(raw: dict, seed: int = 0, fuse: bool = True):
+    """Random weights, q/k/v and gate/up fused as load_target does (--no-fuse: separate GEMMs)."""
     config = parse_target_config(raw)
     model = build_empty(lambda: build_target(config), "cuda", torch.bfloat16)
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -69,7 +71,8 @@ def random_model(raw: dict, seed: int = 0):
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    return model.fuse_projections() if fuse else model
 
 
 def per_token(run, n: int) -> float:
@@ -240,36 +243,61 @@ def draft_costs(model, sizes, ctx_len: int, compiled: bool) -> dict:
 ROUND_SPECS = {"chain6": (5, 1, 6), "tree16": (5, 4, 16), "tree32": (6, 6, 32), "tree64": (7, 8, 64)}
 
 
-def round_costs(model, ctx_len: int, rounds: int = 20) -> dict:
+def round_costs(model, ctx_len: int, batches=(1,), rounds: int = 20) -> dict:
     """ms of one engine step (plain: a decode step; spec: a whole round, draft + verify + accept +
-    drafter extension, greedy so the round is one graph) with an 8B-shaped drafter, batch 1.
-    Timed by the host clock around `rounds` session.step() calls after 3 warm-up steps (the
-    first captures the graphs), each ending in the round's one host sync."""
+    drafter extension, greedy so the round is one graph) with an 8B-shaped drafter, per batch
+    size. Timed by the host clock around `rounds` session.step() calls after 3 warm-up steps
+    (the first captures the graphs), each ending in the round's one host sync. Speculation's
+    break-even tau at a batch size is its round time over the plain step time."""
     from draftsman.generate import StopRules
     from draftsman.models.eagle3 import init_drafter
     from draftsman.session import PlainSession, Request
     from draftsman.spec.engine import SpecConfig, SpecSession
 
     drafter = init_drafter(model, draft_vocab_size=32000, seed=0, dtype=torch.bfloat16)
-    prompt = torch.randint(0, 128000, (ctx_len,), generator=torch.Generator().manual_seed(2)).tolist()
+    gen = torch.Generator().manual_seed(2)
     budget = 16 * (rounds + 4)
-    sessions = {"plain": lambda: PlainSession(model, ctx_len + budget + 1)}
+    max_len = ctx_len + budget + 1
+    makers = {"plain": lambda: PlainSession(model, max_len)}
     for name, (steps, topk, n) in ROUND_SPECS.items():
-        sessions[name] = (lambda cfg: lambda: SpecSession(model, drafter, cfg, ctx_len + budget + 1))(
+        makers[name] = (lambda cfg: lambda: SpecSession(model, drafter, cfg, max_len))(
             SpecConfig(steps=steps, topk=topk, draft_tokens=n))
-    out = {}
-    for name, make in sessions.items():
-        session = make()
-        session.add([Request(0, prompt, StopRules(max_new_tokens=budget))])
-        for _ in range(3):
-            session.step()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(rounds):
-            session.step()
-        out[name] = (time.perf_counter() - t) / rounds * 1e3
-    return {"ms": out, "over_plain_step": {k: v / out["plain"] for k, v in out.items() if k != "plain"},
+    out: dict = {}
+    for b in batches:
+        prompts = [torch.randint(0, 128000, (ctx_len,), generator=gen).tolist() for _ in range(b)]
+        ms = {}
+        for name, make in makers.items():
+            session = make()
+            session.add([Request(i, p, StopRules(max_new_tokens=budget)) for i, p in enumerate(prompts)])
+            for _ in range(3):
+                session.step()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(rounds):
+                session.step()
+            ms[name] = (time.perf_counter() - t) / rounds * 1e3
+            del session
+        out[str(b)] = {"ms": ms, "over_plain_step": {k: v / ms["plain"] for k, v in ms.items() if k != "plain"}}
+    single = out[str(batches[0])]
+    return {"ms": single["ms"], "over_plain_step": single["over_plain_step"], "by_batch": out,
             "specs": ROUND_SPECS}
+
+
+def h200_figures(res: dict) -> dict:
+    """The issue's headline keys from one results JSON of this script (absent arms: no key)."""
+    arms, out = res.get("arms", {}), {}
+    graphs = {k: v for k, v in arms.items() if k.startswith("graph_")}
+    if graphs:
+        name, best = max(graphs.items(), key=lambda kv: kv[1]["fraction_of_floor"])
+        out |= {"plain_decode_fraction_of_floor_8b": best["fraction_of_floor"],
+                "plain_decode_ms_8b": best["ms_per_token"], "plain_decode_arm_8b": name,
+                "floor_ms_8b": res["floor_ms"], "copy_bandwidth_TBps": res["copy_bandwidth_TBps"]}
+    if "hf_generate" in arms:
+        out["hf_generate_ms_8b"] = arms["hf_generate"]["ms_per_token"]
+    if "rounds" in arms:
+        for name, ratio in arms["rounds"]["over_plain_step"].items():
+            out[f"round_over_step_8b_{name}"] = ratio
+    return out
 
 
 def main() -> None:
@@ -278,10 +306,21 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--arms", default="hf_generate,engine_eager,graph_eager,graph_compiled,verify,draft")
     ap.add_argument("--profile", action="store_true", help="graph arms: also profile kernels per step")
+    ap.add_argument("--no-fuse", action="store_true", help="separate q/k/v and gate/up GEMMs (as before fusion)")
+    ap.add_argument("--batches", default="1", help="rounds arm: batch sizes, comma list (default 1)")
     ap.add_argument("--out")
+    ap.add_argument("--h200-json", help="merge the headline figures into this file (benchmarks/h200.json)")
+    ap.add_argument("--from-results", nargs="+", metavar="JSON",
+                    help="run nothing: merge the figures of saved results files into --h200-json")
     args = ap.parse_args()
+    if args.from_results:
+        if not args.h200_json:
+            ap.error("--from-results needs --h200-json")
+        for f in args.from_results:
+            update_h200_json(args.h200_json, h200_figures(json.loads(Path(f).read_text())), f)
+        return
     torch.backends.cuda.matmul.allow_tf32 = False
-    res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+    res: dict = {"fused_projections": not args.no_fuse, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                  "cuda": torch.version.cuda, "geometry": "llama-3.1-8b", "batch": 1,
                  "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                  "date": time.strftime("%Y-%m-%d"), "arms": {}, "errors": {}}
@@ -292,7 +331,7 @@ def main() -> None:
             Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
 
     bw = copy_bandwidth()
-    model = random_model(LLAMA_31_8B)
+    model = random_model(LLAMA_31_8B, fuse=not args.no_fuse)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     embed_bytes = model.embed_tokens.weight.numel() * 2
     ctx = args.prompt_len + args.new_tokens // 2
@@ -325,7 +364,7 @@ def main() -> None:
                 elif arm == "verify":
                     r = {"compiled": best_compiled, "ms": verify_costs(model, [1, 6, 16, 32, 64], ctx, best_compiled)}
                 elif arm == "rounds":
-                    r = round_costs(model, ctx)
+                    r = round_costs(model, ctx, [int(b) for b in args.batches.split(",")])
                 elif arm == "draft":
                     r = {"compiled": best_compiled} | draft_costs(model, [1, 4, 6, 8], ctx, best_compiled)
                 else:
@@ -343,6 +382,8 @@ def main() -> None:
         print(arm, {k: v for k, v in r.items() if k != "tokens"}, flush=True)
         save()
     save()
+    if args.h200_json:
+        update_h200_json(args.h200_json, h200_figures(res), args.out or "(not saved)")
     print(json.dumps(res))
 
 

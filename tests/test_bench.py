@@ -117,6 +117,22 @@ def test_in_process_lossless_and_consistent(inproc):
     assert result["speedup"] == pytest.approx(result["spec_tokens_per_s"] / result["plain_tokens_per_s"])
 
 
+def test_adaptive_arm_is_lossless_and_reports_its_choices(pair):
+    target_dir, drafter_dir, dataset = pair
+    _, result = run_main("bench", "--target", str(target_dir), "--drafter", str(drafter_dir), "--dataset", dataset,
+                         "--num-prompts", "4", "--max-new-tokens", "12", "--spec-steps", "2", "--spec-topk", "1,2",
+                         "--spec-adaptive", "--json")
+    arms = {a["arm"]: a for a in result["arms"]}
+    assert list(arms) == ["plain", "spec-s2-k1-n3", "spec-s2-k2-n7", "spec-adaptive"]
+    adaptive = arms["spec-adaptive"]
+    assert set(adaptive) == ARM_SCHEMA and adaptive["identical"] is True
+    assert adaptive["spec"] == {"adaptive": result["specs"]}
+    assert adaptive["output_tokens"] == arms["plain"]["output_tokens"]
+    seen = {row["arm"] for row in adaptive["adaptive"] if row["rounds"]}
+    assert seen == {"plain", "s2-k1-n3", "s2-k2-n7"}  # every choice measured before settling
+    assert all(a["adaptive"] is None for name, a in arms.items() if name != "spec-adaptive")
+
+
 def test_partial_acceptance_matches_engine(tiny_llama_dir):
     """With a drafter that is right only sometimes, per-position acceptance is non-trivial, adds up
     to τ, and continuous batching leaves it equal to a SpecEngine run of the same prompts."""
@@ -393,6 +409,8 @@ def test_weight_bytes_count_active_experts(tiny_llama_dir, tiny_deepseek_dir):
 @pytest.mark.parametrize("args,message", [
     (["--server-url", "http://127.0.0.1:9", "--drafter", "x"], "--drafter is for in-process"),
     (["--target", "x", "--spec-steps", "3"], "need --drafter"),
+    (["--target", "x", "--spec-adaptive"], "need --drafter"),
+    (["--server-url", "http://127.0.0.1:9", "--spec-adaptive"], "in-process mode"),
     (["--target", "x", "--baseline-url", "http://127.0.0.1:9"], "--baseline-url needs --server-url"),
     (["--target", "x", "--batch-sizes", "1,a"], "comma-separated integers"),
     (["--target", "x", "--dataset", "nope"], "neither a bundled"),

@@ -28,6 +28,7 @@ import torch
 from draftsman.generate import StopRules
 from draftsman.sampling import SamplingParams
 from draftsman.session import DecodeSession, PlainSession, Request
+from draftsman.spec.adaptive import AdaptivePolicy
 from draftsman.spec.engine import SpecConfig, SpecSession
 from draftsman.spec.tree import max_draft_tokens
 from draftsman.spec.verify import summarize_histogram
@@ -172,8 +173,10 @@ NO_ACCEPTANCE = {"accept_length": None, "accept_rate_per_position": None, "round
 ARM_DEFAULTS = NO_ACCEPTANCE | {
     "acceptance_source": None, "speedup": None, "identical": None, "mismatched_requests": None,
     "weight_bytes_per_step": None, "decode_step_ms": None, "weight_bandwidth_gb_s": None,
-    "bandwidth_fraction": None, "url": None,
+    "bandwidth_fraction": None, "url": None, "adaptive": None,
 }
+
+ADAPTIVE = "adaptive"  # the arm whose sessions pick a speculation shape (or none) per round
 
 
 def with_defaults(arm: dict) -> dict:
@@ -325,8 +328,18 @@ def spec_grid(steps: Sequence[int] | None, topks: Sequence[int] | None,
     return out
 
 
-def arm_name(spec: SpecConfig | None) -> str:
+def arm_name(spec: SpecConfig | str | None) -> str:
+    if spec == ADAPTIVE:
+        return "spec-adaptive"
     return "plain" if spec is None else f"spec-s{spec.steps}-k{spec.topk}-n{spec.draft_tokens}"
+
+
+def spec_dict(spec: SpecConfig | str | None, specs: Sequence[SpecConfig]) -> dict | None:
+    if spec is None:
+        return None
+    if spec == ADAPTIVE:
+        return {"adaptive": [spec_dict(c, specs) for c in specs]}
+    return {"steps": spec.steps, "topk": spec.topk, "draft_tokens": spec.draft_tokens}
 
 
 # ---- roofline ------------------------------------------------------------------------------------
@@ -457,9 +470,14 @@ class Workload:
         return max(len(p) for p in self.prompts) + self.rules.max_new_tokens
 
 
-def make_session(target, drafter, spec: SpecConfig | None, workload: Workload) -> DecodeSession:
+def make_session(target, drafter, spec: SpecConfig | str | None, workload: Workload,
+                 candidates: Sequence[SpecConfig] = ()) -> DecodeSession:
+    """spec: None (plain), a SpecConfig, or ADAPTIVE (a fresh AdaptivePolicy over candidates)."""
     if spec is None:
         return PlainSession(target, workload.max_len, seed=workload.seed)
+    if spec == ADAPTIVE:
+        return SpecSession(target, drafter, None, workload.max_len, seed=workload.seed,
+                           policy=AdaptivePolicy(candidates))
     return SpecSession(target, drafter, spec, workload.max_len, seed=workload.seed)
 
 
@@ -475,31 +493,34 @@ def full_steps(steps: Sequence[tuple[float, int]], batch_size: int) -> list[floa
 
 def bench_in_process(target, drafter, specs: Sequence[SpecConfig], workload: Workload,
                      copy_bandwidth: float | None = None,
-                     on_finish: Callable[[], None] | None = None) -> list[dict]:
-    """Plain decoding and each speculative setting over the same prompts at every batch size.
-    Returns one result dict per (arm, batch size): latency_summary keys plus acceptance,
-    roofline (plain) and `identical` (speculative vs plain outputs at temperature 0)."""
+                     on_finish: Callable[[], None] | None = None, adaptive: bool = False) -> list[dict]:
+    """Plain decoding and each speculative setting (and, with `adaptive`, adaptive speculation
+    over them) over the same prompts at every batch size. Returns one result dict per (arm,
+    batch size): latency_summary keys plus acceptance, roofline (plain) and `identical`
+    (speculative vs plain outputs at temperature 0)."""
     arms: list[dict] = []
     greedy = workload.params.temperature == 0
     for bs in workload.batch_sizes:
         plain_outputs: list | None = None
-        for spec in [None, *specs]:
+        for spec in [None, *specs, *([ADAPTIVE] if adaptive else [])]:
             if workload.warmup:
                 warm = _requests(workload.prompts[: workload.warmup], workload)
-                drive_session(make_session(target, drafter, spec, workload), warm, bs)
-            run = drive_session(make_session(target, drafter, spec, workload), _requests(workload.prompts, workload),
-                                bs, on_finish)
+                drive_session(make_session(target, drafter, spec, workload, specs), warm, bs)
+            session = make_session(target, drafter, spec, workload, specs)
+            run = drive_session(session, _requests(workload.prompts, workload), bs, on_finish)
             arm = {"arm": arm_name(spec), "kind": "plain" if spec is None else "spec",
-                   "spec": None if spec is None else {"steps": spec.steps, "topk": spec.topk,
-                                                      "draft_tokens": spec.draft_tokens},
-                   "batch_size": bs, **latency_summary(run.traces, run.duration_s)}
+                   "spec": spec_dict(spec, specs), "batch_size": bs, **latency_summary(run.traces, run.duration_s)}
             outputs = [t.output for t in run.traces]
             if spec is None:
                 plain_outputs = outputs
                 arm |= roofline(decode_weight_bytes(target, bs), full_steps(run.steps, bs), copy_bandwidth)
             else:
-                arm |= acceptance_from_histograms((r.histogram for r in run.requests), spec)
+                deepest = max(specs if spec == ADAPTIVE else [spec], key=lambda c: c.steps)
+                arm |= acceptance_from_histograms((r.histogram for r in run.requests), deepest)
                 arm["acceptance_source"] = "engine"
+                if spec == ADAPTIVE:  # rounds mix shapes (and plain rounds): no single drafted count
+                    arm["draft_tokens"] = None
+                    arm["adaptive"] = session.policy.summary()
                 mismatched = sum(a != b for a, b in zip(outputs, plain_outputs or [], strict=True))
                 arm["identical"] = (mismatched == 0) if greedy else None
                 arm["mismatched_requests"] = mismatched if greedy else None

@@ -16,7 +16,10 @@ Arms. In-process: `plain` and one `spec-s{steps}-k{topk}-n{draft_tokens}` arm pe
 combination of --spec-steps x --spec-topk x --spec-draft-tokens (comma lists; SGLang meanings:
 draft depth, branching per step, verified tree nodes incl. the root). Each batch size B runs
 every arm over the same prompts with at most B requests in flight, refilling a slot as soon as
-a request finishes (continuous batching). Client: `server` (the served configuration) and, with
+a request finishes (continuous batching). --spec-adaptive adds `spec-adaptive`: each round it
+runs one of those settings or a plain step, whichever is fastest at the running batch size by
+round times and acceptance it measures itself (it tries every choice first; see
+draftsman/spec/adaptive.py). Client: `server` (the served configuration) and, with
 --baseline-url, `baseline` (a plain server) at each concurrency. --warmup N requests run
 untimed before every arm and batch size.
 
@@ -55,9 +58,10 @@ Output: a table, and with --json one JSON object as the last stdout line. Top-le
   notes               [str] caveats (missing acceptance data, token counts from chunks, ...)
   arms                [object] one per arm and batch size, every key always present (null
                       when it does not apply):
-    arm                 "plain", "spec-s{steps}-k{topk}-n{draft_tokens}"; client: "server", "baseline"
+    arm                 "plain", "spec-s{steps}-k{topk}-n{draft_tokens}", "spec-adaptive";
+                        client: "server", "baseline"
     kind                "plain" | "spec" | "served" (client: the server under test)
-    spec                {steps, topk, draft_tokens} or null
+    spec                {steps, topk, draft_tokens}, {"adaptive": [those]}, or null
     batch_size          concurrent requests; url: the server (client mode)
     num_requests, output_tokens, duration_s, tokens_per_s, requests_per_s
     ttft_p50_ms, ttft_p99_ms, tpot_p50_ms, tpot_p99_ms, itl_p50_ms, itl_p99_ms
@@ -68,6 +72,8 @@ Output: a table, and with --json one JSON object as the last stdout line. Top-le
     speedup             tokens_per_s / the plain (baseline) arm's at this batch size
     identical, mismatched_requests          vs plain at this batch size, temperature 0
     finish_reasons      {reason: count}
+    adaptive            spec-adaptive: [{batch_bucket, arm, round_ms, tau, rounds, chosen}],
+                        what the policy measured per batch bucket and arm and what it settled on
     weight_bytes_per_step, decode_step_ms, weight_bandwidth_gb_s, bandwidth_fraction
                         the roofline, on in-process plain arms
 --plot DIR writes acceptance_per_position.png (bars per speculative arm, first batch size)
@@ -110,6 +116,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-topk", default=None, help="branching per step, comma list (default 4)")
     p.add_argument("--spec-draft-tokens", default=None,
                    help="verified nodes incl. the root, comma list (default 16; steps + 1 for topk 1)")
+    p.add_argument("--spec-adaptive", action="store_true",
+                   help="add a `spec-adaptive` arm: per round, one of the --spec-* settings or plain "
+                        "decoding, whichever measured round times and acceptance say is fastest at "
+                        "the running batch size (in-process, needs --drafter)")
     p.add_argument("--no-chat", action="store_true", help="send raw prompts, no chat template")
     p.add_argument("--warmup", type=int, default=1, help="untimed requests before each arm (default 1)")
     p.add_argument("--timeout", type=float, default=600.0, help="client: seconds per request (default 600)")
@@ -162,12 +172,12 @@ def check_args(args: argparse.Namespace) -> None:
     if args.server_url:
         if args.drafter:
             raise ValueError("--drafter is for in-process mode (--target); a server uses its own")
-        if any(f is not None for f in spec_flags):
+        if any(f is not None for f in spec_flags) or args.spec_adaptive:
             raise ValueError("--spec-* flags are for in-process mode; a server uses its own configuration")
     else:
         if args.baseline_url:
             raise ValueError("--baseline-url needs --server-url (in-process mode measures plain decoding itself)")
-        if any(f is not None for f in spec_flags) and not args.drafter:
+        if (any(f is not None for f in spec_flags) or args.spec_adaptive) and not args.drafter:
             raise ValueError("--spec-* flags need --drafter")
     if args.concurrency is not None and args.batch_sizes is not None:
         raise ValueError("give --batch-sizes or --concurrency, not both")
@@ -237,8 +247,10 @@ def run_in_process(args: argparse.Namespace, prompts: list[str], batch_sizes: li
     result.update(device=str(device), dtype=str(dtype).removeprefix("torch."),
                   specs=[{"steps": s.steps, "topk": s.topk, "draft_tokens": s.draft_tokens} for s in specs],
                   copy_bandwidth_gb_s=None if copy_bw is None else round(copy_bw / 1e9, 2))
-    with progress_bar(len(ids) * len(batch_sizes) * (1 + len(specs))) as bar:
-        arms = bench.bench_in_process(model, drafter, specs, workload, copy_bw, on_finish=lambda: bar.update(1))
+    adaptive = bool(args.spec_adaptive)
+    with progress_bar(len(ids) * len(batch_sizes) * (1 + len(specs) + adaptive)) as bar:
+        arms = bench.bench_in_process(model, drafter, specs, workload, copy_bw, on_finish=lambda: bar.update(1),
+                                      adaptive=adaptive)
     notes = [] if device.type == "cuda" else ["no bandwidth fraction off CUDA (no copy-bandwidth ceiling measured)"]
     return arms, notes
 

@@ -16,6 +16,7 @@ import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,12 @@ from draftsman.spec.verify import (
     sample_accept,
     summarize_histogram,
 )
+
+if TYPE_CHECKING:
+    from draftsman.spec.adaptive import AdaptivePolicy
+
+# Plain rounds (adaptive speculation off) a drafter can catch up on when speculation resumes.
+BACKLOG = 64
 
 
 @dataclass(frozen=True)
@@ -59,17 +66,29 @@ class SpecSession(DecodeSession):
     Per-row device state: n (committed target length = root position), root (last emitted
     token), d_logits/d_hidden (drafter output that seeds depth 1), and sampling parameters."""
 
-    def __init__(self, target: TargetModel, drafter, spec: SpecConfig, max_len: int, seed: int | None = None) -> None:
+    def __init__(self, target: TargetModel, drafter, spec: SpecConfig | None, max_len: int, seed: int | None = None,
+                 policy: AdaptivePolicy | None = None) -> None:
+        """spec: the speculation shape of every round; or None with `policy`, which picks one of
+        its candidates, or plain decoding, per round (spec/adaptive.py)."""
         super().__init__(target, max_len, seed)
-        self.drafter, self.spec = drafter, spec
+        if (spec is None) == (policy is None):
+            raise ValueError("give a SpecConfig, or spec=None and an AdaptivePolicy")
+        self.drafter, self.policy = drafter, policy
+        self.shapes = [spec] if policy is None else list(policy.candidates)
+        self.spec = self.shapes[0]  # the shape of the round being run
+        self.max_steps = max(c.steps for c in self.shapes)
         self.aux_ids = tuple(drafter.aux_layer_ids)
+        self._backlog = False  # plain rounds ran since the drafter last caught up
 
     # ---- prefill ------------------------------------------------------------------------
     def _prefill(self, ids, lengths, sampling):
         b, t = ids.shape
-        spec = self.spec
-        t_cache = self.target.new_cache(b, self.max_len + spec.draft_tokens + 1)
-        d_cache = self.drafter.new_cache(b, self.max_len + (spec.steps - 1) * spec.topk + spec.steps + 2)
+        t_extra = max(c.draft_tokens for c in self.shapes) + 1
+        d_extra = max((c.steps - 1) * c.topk + c.steps for c in self.shapes) + 2
+        if self.policy is not None:
+            d_extra += BACKLOG  # catch-up writes padding entries past n
+        t_cache = self.target.new_cache(b, self.max_len + t_extra)
+        d_cache = self.drafter.new_cache(b, self.max_len + d_extra)
         last = (lengths - 1)[:, None]
         out = self.target.run(ids, cache=t_cache, aux_layer_ids=self.aux_ids, logits_index=last)
         first = self.sample_next(out.logits[:, 0], sampling, bool((sampling["temperature"] == 0).all()))
@@ -78,6 +97,11 @@ class SpecSession(DecodeSession):
         positions = torch.arange(t, device=ids.device).expand(b, t)
         d_logits, d_hidden = self._extend(d_cache, shifted, out.aux_hidden, positions, lengths - 1, prefill=True)
         state = {"n": lengths.clone(), "root": first, "d_logits": d_logits, "d_hidden": d_hidden, **sampling}
+        if self.policy is not None:  # (token, feature) pairs of plain rounds, for the drafter
+            feats = torch.cat(out.aux_hidden, -1)
+            state |= {"bk_tokens": torch.zeros(b, BACKLOG, dtype=torch.long, device=ids.device),
+                      "bk_feats": feats.new_zeros(b, BACKLOG, feats.shape[-1]),
+                      "bk_count": torch.zeros(b, dtype=torch.long, device=ids.device)}
         return [t_cache, d_cache], state, first
 
     def _extend(self, d_cache: StaticCache, tokens: Tensor, aux: list[Tensor] | Tensor, positions: Tensor,
@@ -102,6 +126,22 @@ class SpecSession(DecodeSession):
 
     # ---- one round ----------------------------------------------------------------------
     def _round(self) -> list[Event]:
+        if self.policy is None:
+            return self._spec_round()[0]
+        batch = len(self.rows)
+        arm = self.policy.choose(batch)
+        start = time.perf_counter()
+        if arm is None:
+            events, accepted = self._plain_round()
+        else:
+            self.spec = arm
+            if self._backlog:
+                self._catch_up()
+            events, accepted = self._spec_round()
+        self.policy.observe(arm, batch, time.perf_counter() - start, accepted)  # ends in a host sync
+        return events
+
+    def _spec_round(self) -> tuple[list[Event], list[int]]:
         st = self.tensors
         state = {k: st[k] for k in ("n", "root", "d_logits", "d_hidden")}
         if self.static and self.all_greedy:
@@ -113,11 +153,58 @@ class SpecSession(DecodeSession):
             accept_len, emitted, *new = self._verify_and_accept(tree, state["n"])
         st["n"], st["root"], st["d_logits"], st["d_hidden"] = new
         lens, toks = accept_len.tolist(), emitted.tolist()  # the round's host sync
+        self._count(lens)
+        events = self._emit(range(len(self.rows)), [t[: a + 1] for t, a in zip(toks, lens, strict=True)])
+        return events, lens
+
+    def _count(self, lens: list[int]) -> None:
         for row, a in zip(self.rows, lens, strict=True):
-            if len(row.histogram) <= a:
-                row.histogram += [0] * (self.spec.steps + 1 - len(row.histogram))
+            if len(row.histogram) <= self.max_steps:
+                row.histogram += [0] * (self.max_steps + 1 - len(row.histogram))
             row.histogram[a] += 1
-        return self._emit(range(len(self.rows)), [t[: a + 1] for t, a in zip(toks, lens, strict=True)])
+
+    # ---- plain rounds (adaptive speculation turned off) -----------------------------------
+    def _plain_round(self) -> tuple[list[Event], list[int]]:
+        """One target forward over the root, as plain decoding does; the (token, feature) pair
+        it yields goes to the backlog instead of the drafter, so the round costs what a plain
+        step costs (the drafter catches up in one forward when speculation resumes)."""
+        st = self.tensors
+        n, root = st["n"], st["root"]
+        tree = VerifyTree(root[:, None], torch.full_like(root[:, None], -1), torch.zeros_like(root[:, None]))
+        inputs = self._verify_inputs(tree, n)
+        if self.static:
+            logits, *aux = self.run_step(self.target, ("verify", self.aux_ids), self._target_verify,
+                                         [self.caches[0]], **inputs)
+        else:
+            logits, *aux = self._target_verify(**inputs)
+        nxt = self.sample_next(logits[:, 0], st, self.all_greedy)
+        feats = torch.cat(aux, -1).to(st["bk_feats"].dtype)
+        st["bk_tokens"] = torch.cat([st["bk_tokens"][:, 1:], nxt[:, None]], 1)
+        st["bk_feats"] = torch.cat([st["bk_feats"][:, 1:], feats], 1)
+        st["bk_count"] = (st["bk_count"] + 1).clamp(max=BACKLOG)
+        st["n"], st["root"] = n + 1, nxt
+        self._backlog = True
+        lens = [0] * len(self.rows)
+        self._count(lens)
+        return self._emit(range(len(self.rows)), [[t] for t in nxt.tolist()]), lens
+
+    def _catch_up(self) -> None:
+        """Extend the drafter over the backlog's pairs (right-aligned: the last one sits at
+        position n-1). Missing entries (rows with fewer pairs) are written past n, into scratch
+        slots drafting overwrites; pairs older than the backlog stay unwritten (lossless, but
+        acceptance suffers for a while after long plain stretches)."""
+        st = self.tensors
+        n, count = st["n"], st["bk_count"]
+        j = torch.arange(BACKLOG, device=n.device)
+        valid = j[None, :] >= (BACKLOG - count)[:, None]
+        positions = torch.where(valid, n[:, None] - BACKLOG + j, n[:, None] + j)
+        d_logits, d_hidden = self._extend(self.caches[1], st["bk_tokens"], st["bk_feats"], positions,
+                                          torch.full_like(n, BACKLOG - 1))
+        has = (count > 0)[:, None]
+        st["d_logits"] = torch.where(has, d_logits, st["d_logits"])
+        st["d_hidden"] = torch.where(has, d_hidden, st["d_hidden"])
+        st["bk_count"] = torch.zeros_like(count)
+        self._backlog = False
 
     def _greedy_round(self, n: Tensor, root: Tensor, d_logits: Tensor, d_hidden: Tensor) -> tuple[Tensor, ...]:
         tree = self._draft(n, root, d_logits, d_hidden)

@@ -1,0 +1,67 @@
+"""Batch scaling of speculation with the embedded reference pair: plain decoding, fixed chain and
+tree settings, and adaptive speculation (`--spec-adaptive`) at batch 1, 4, 16, 64, one
+`draftsman bench` run (so every speed-up compares arms of the same run).
+
+    python benchmarks/h200_batch.py --out benchmarks/results/h200_batch.json --h200-json benchmarks/h200.json
+
+Prints one JSON line: per batch size each arm's tokens/s and speed-up, and
+`min_speedup_over_batches` (the adaptive arm's lowest speed-up over the batch sizes; the issue's
+goal is >= 1.0) beside each fixed arm's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from h200_json import update_h200_json  # benchmarks/ is on sys.path when run as a script
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dataset", default="mt-bench")
+    ap.add_argument("--batch-sizes", default="1,4,16,64")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", default="0")
+    ap.add_argument("--out")
+    ap.add_argument("--h200-json")
+    args = ap.parse_args()
+    from draftsman import reference_pair
+
+    target, drafter = reference_pair()
+    cmd = [sys.executable, "-m", "draftsman.cli", "bench", "--target", str(target), "--drafter", str(drafter),
+           "--dataset", args.dataset, "--num-prompts", str(args.num_prompts), "--max-new-tokens",
+           str(args.max_new_tokens), "--temperature", args.temperature, "--seed", "0", "--warmup", "2",
+           "--device", args.device, "--batch-sizes", args.batch_sizes, "--spec-steps", "5", "--spec-topk", "1,4",
+           "--spec-draft-tokens", "6,16", "--spec-adaptive", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    by_batch: dict = {}
+    for a in result["arms"]:
+        by_batch.setdefault(str(a["batch_size"]), {})[a["arm"]] = {
+            "tokens_per_s": a["tokens_per_s"], "speedup": a["speedup"], "accept_length": a["accept_length"],
+            "identical": a["identical"], "adaptive": a["adaptive"]}
+    arms = [a for a in by_batch[str(result["batch_sizes"][0])] if a != "plain"]
+    minimum = {a: min(b[a]["speedup"] for b in by_batch.values()) for a in arms}
+    summary = {"device": result["device"], "dtype": result["dtype"], "dataset": args.dataset,
+               "temperature": float(args.temperature), "num_prompts": args.num_prompts,
+               "max_new_tokens": args.max_new_tokens, "by_batch": by_batch, "min_speedup": minimum,
+               "min_speedup_over_batches": minimum["spec-adaptive"], "command": " ".join(cmd[1:])}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"summary": summary, "bench": result}, indent=1) + "\n")
+    if args.h200_json:
+        update_h200_json(args.h200_json, {"min_speedup_over_batches": minimum["spec-adaptive"],
+                                          "min_speedup_over_batches_fixed": minimum}, args.out or "(not saved)")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Adaptive speculation: pick the speculation setting for each round, or none, from what rounds
+actually cost and yield on this device, so speculation runs only where it wins.
+
+Throughput of an arm at a batch size is τ / round time (τ = tokens per row per round: 1 for plain
+decoding, 1 + accepted drafts for a speculation setting). Both are measured online: the session
+reports each round's wall time (every round ends in a host sync, so it is the real cost) and
+accepted lengths. Batch sizes are bucketed by powers of two. Every arm is tried in a bucket
+before the policy trusts it (the first round of an arm is not timed: it may capture CUDA graphs),
+the best arm is then kept unless another beats it by `switch_margin`, and every
+`explore_every` rounds the arm measured longest ago is tried again so estimates follow changes
+in the text (acceptance) or the load (cost).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+from draftsman.spec.engine import SpecConfig
+
+PLAIN = None  # the arm without speculation
+
+
+def bucket(batch: int) -> int:
+    """Batch sizes 1, 2, 3-4, 5-8, ... share estimates: the next power of two."""
+    return 1 << max(batch - 1, 0).bit_length()
+
+
+@dataclass
+class Estimate:
+    """Running (exponential) means of one arm in one batch bucket."""
+
+    seconds: float | None = None  # per round
+    tau: float | None = None  # tokens per row per round
+    rounds: int = 0  # rounds observed (the first is not timed)
+    last_seen: int = -1  # policy round counter at the last observation
+
+    def rate(self) -> float | None:
+        if self.seconds is None or self.tau is None:
+            return None
+        return self.tau / self.seconds
+
+
+@dataclass
+class AdaptivePolicy:
+    """Chooses, per round, one of `candidates` or PLAIN (None)."""
+
+    candidates: Sequence[SpecConfig]
+    alpha: float = 0.2  # weight of a new observation in the running means
+    switch_margin: float = 0.03  # another arm must beat the current one by this fraction
+    explore_every: int = 64  # rounds between re-measurements of the stalest arm
+    estimates: dict[tuple[int, Hashable], Estimate] = field(default_factory=dict)
+    current: dict[int, SpecConfig | None] = field(default_factory=dict)  # chosen arm per bucket
+    round: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.candidates:
+            raise ValueError("adaptive speculation needs at least one speculation setting")
+        self.candidates = list(dict.fromkeys(self.candidates))
+
+    @property
+    def arms(self) -> list[SpecConfig | None]:
+        return [PLAIN, *self.candidates]
+
+    def estimate(self, arm: SpecConfig | None, batch: int) -> Estimate:
+        return self.estimates.setdefault((bucket(batch), arm), Estimate())
+
+    def choose(self, batch: int) -> SpecConfig | None:
+        """The arm to run next at this batch size."""
+        self.round += 1
+        ests = {arm: self.estimate(arm, batch) for arm in self.arms}
+        untried = [arm for arm, e in ests.items() if e.rate() is None]
+        if untried:  # measure every arm (twice: the first round is not timed) before choosing
+            return untried[0]
+        b = bucket(batch)
+        if self.round % self.explore_every == 0:
+            return min(ests, key=lambda arm: ests[arm].last_seen)
+        best = max(ests, key=lambda arm: ests[arm].rate())
+        current = self.current.get(b, best)
+        if ests[best].rate() > ests[current].rate() * (1 + self.switch_margin):
+            current = best
+        self.current[b] = current
+        return current
+
+    def observe(self, arm: SpecConfig | None, batch: int, seconds: float, accepted: Sequence[int]) -> None:
+        """One round of `arm` over `batch` rows took `seconds` and accepted `accepted[i]` drafts
+        in row i (all 0 for plain rounds)."""
+        e = self.estimate(arm, batch)
+        e.rounds += 1
+        e.last_seen = self.round
+        tau = 1.0 + sum(accepted) / max(len(accepted), 1)
+        e.tau = tau if e.tau is None else (1 - self.alpha) * e.tau + self.alpha * tau
+        if e.rounds == 1:
+            return  # may include graph capture or compilation
+        e.seconds = seconds if e.seconds is None else (1 - self.alpha) * e.seconds + self.alpha * seconds
+
+    def summary(self) -> list[dict]:
+        """Per (bucket, arm): round time, τ and tokens per second per row, for reports."""
+        out = []
+        for (b, arm), e in sorted(self.estimates.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+            out.append({"batch_bucket": b, "arm": arm_label(arm), "round_ms": None if e.seconds is None
+                        else e.seconds * 1e3, "tau": e.tau, "rounds": e.rounds,
+                        "chosen": self.current.get(b, "?") == arm})
+        return out
+
+
+def arm_label(arm: SpecConfig | None) -> str:
+    return "plain" if arm is None else f"s{arm.steps}-k{arm.topk}-n{arm.draft_tokens}"

@@ -1,0 +1,167 @@
+"""Adaptive speculation: the policy picks the arm with the best measured tokens/s per batch
+bucket (or plain decoding), and a session switching between speculation and plain rounds stays
+lossless with the drafter caught up after plain stretches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import draftsman
+from draftsman.generate import StopRules
+from draftsman.reference import TARGET_DIR
+from draftsman.sampling import SamplingParams
+from draftsman.session import PlainSession, run_to_completion
+from draftsman.spec.adaptive import PLAIN, AdaptivePolicy, bucket
+from draftsman.spec.engine import BACKLOG, SpecConfig, SpecSession
+from draftsman.tokenizer import encode_prompt, load_tokenizer
+
+CHAIN, TREE = SpecConfig.chain(4), SpecConfig(steps=4, topk=3, draft_tokens=10)
+
+
+def feed(policy, batch, costs, taus, rounds):
+    """Run the policy against fixed per-arm round costs and acceptance; return the arms chosen."""
+    chosen = []
+    for _ in range(rounds):
+        arm = policy.choose(batch)
+        chosen.append(arm)
+        policy.observe(arm, batch, costs[arm], [taus[arm] - 1] * batch)
+    return chosen
+
+
+def test_buckets_are_powers_of_two():
+    assert [bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 64)] == [1, 2, 4, 4, 8, 8, 16, 64]
+
+
+def test_policy_measures_every_arm_then_keeps_the_fastest():
+    policy = AdaptivePolicy([CHAIN, TREE], explore_every=1000)
+    costs = {PLAIN: 1.0, CHAIN: 1.5, TREE: 2.0}
+    taus = {PLAIN: 1, CHAIN: 3, TREE: 5}  # tokens/s: 1, 2, 2.5
+    chosen = feed(policy, 1, costs, taus, 30)
+    assert set(chosen[:6]) == {PLAIN, CHAIN, TREE}  # two rounds each: the first is not timed
+    assert chosen[6:] == [TREE] * 24
+
+
+def test_policy_turns_speculation_off_where_it_loses():
+    policy = AdaptivePolicy([CHAIN, TREE], explore_every=1000)
+    costs = {PLAIN: 1.0, CHAIN: 3.5, TREE: 6.0}  # large batch: rounds cost far more than a step
+    taus = {PLAIN: 1, CHAIN: 3, TREE: 5}
+    assert feed(policy, 64, costs, taus, 20)[6:] == [PLAIN] * 14
+    # ... per batch bucket: at batch 1 the same policy still speculates
+    assert feed(policy, 1, {PLAIN: 1.0, CHAIN: 1.2, TREE: 1.6}, taus, 20)[6:] == [TREE] * 14
+
+
+def test_policy_needs_a_margin_to_switch_and_re_measures_stale_arms():
+    policy = AdaptivePolicy([CHAIN], explore_every=10, alpha=1.0)
+    feed(policy, 1, {PLAIN: 1.0, CHAIN: 1.0}, {PLAIN: 1, CHAIN: 2}, 6)
+    assert policy.current[1] == CHAIN
+    # plain now 2% faster than the chain: within the margin, no switch (except explorations)
+    chosen = feed(policy, 1, {PLAIN: 1.0, CHAIN: 2.04}, {PLAIN: 1, CHAIN: 2}, 20)
+    assert chosen.count(CHAIN) >= 17 and PLAIN in chosen  # PLAIN only as the stalest arm
+    chosen = feed(policy, 1, {PLAIN: 1.0, CHAIN: 4.0}, {PLAIN: 1, CHAIN: 2}, 20)
+    assert chosen[-5:] == [PLAIN] * 5
+
+
+class Scripted(AdaptivePolicy):
+    """A policy that follows a fixed schedule (None = plain round), then repeats its last arm;
+    it records what each round accepted."""
+
+    def __init__(self, schedule):
+        super().__init__([CHAIN, TREE])
+        self.schedule = list(schedule)
+        self.log: list[tuple] = []
+
+    def choose(self, batch):
+        self.round += 1
+        return self.schedule[min(self.round, len(self.schedule)) - 1]
+
+    def observe(self, arm, batch, seconds, accepted):
+        self.log.append((arm, list(accepted)))
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target, drafter = draftsman.reference_pair()
+    t = draftsman.load_target(target)
+    return t, draftsman.load_drafter(drafter, target=t)
+
+
+def prompts():
+    tok = load_tokenizer(TARGET_DIR)
+    return [encode_prompt(tok, t, chat=True) for t in ("Write a haiku about rain.", "What is 7 times 8?")]
+
+
+def mean_accepted(log, rounds):
+    return sum(sum(log[i][1]) / len(log[i][1]) for i in rounds) / len(rounds)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_switching_session_is_lossless_and_the_drafter_catches_up(pair, static):
+    target, drafter = pair
+    rules = StopRules(max_new_tokens=200)
+    greedy = SamplingParams(temperature=0.0)
+    plain = [r.state.tokens for r in run_to_completion(PlainSession(target, 260), prompts(), rules, greedy)]
+    # chain, a short plain stretch, chain, a stretch longer than the backlog, chain
+    schedule = [CHAIN] * 3 + [None] * 5 + [CHAIN] * 4 + [None] * (BACKLOG + 6) + [CHAIN] * 8
+    policy = Scripted(schedule)
+    session = SpecSession(target, drafter, None, 260, policy=policy)
+    session.static = static
+    done = run_to_completion(session, prompts(), rules, greedy)
+    assert [r.state.tokens for r in done] == plain
+    assert [arm for arm, _ in policy.log[:len(schedule)]] == schedule
+    assert all(a == [0, 0] for arm, a in policy.log if arm is None)
+    # Right after catching up on the short stretch, the chain accepts about what a chain that was
+    # never interrupted accepts over the same rounds (a stale drafter would accept ~nothing).
+    always = Scripted([CHAIN])
+    run_to_completion(SpecSession(target, drafter, None, 260, policy=always), prompts(), rules, greedy)
+    assert mean_accepted(always.log, range(3, 12)) > 1.5
+    assert mean_accepted(policy.log, range(8, 12)) > 0.6 * mean_accepted(always.log, range(3, 12))
+
+
+def test_adaptive_session_with_the_real_policy_matches_plain(pair):
+    target, drafter = pair
+    rules = StopRules(max_new_tokens=60)
+    plain = [r.state.tokens for r in run_to_completion(PlainSession(target, 100), prompts(), rules,
+                                                        SamplingParams(temperature=0.0))]
+    policy = AdaptivePolicy([CHAIN, TREE], explore_every=8)
+    done = run_to_completion(SpecSession(target, drafter, None, 100, policy=policy), prompts(), rules,
+                             SamplingParams(temperature=0.0))
+    assert [r.state.tokens for r in done] == plain
+    arms = {row["arm"] for row in policy.summary() if row["rounds"]}
+    assert arms == {"plain", "s4-k1-n5", "s4-k3-n10"}
+
+
+def test_sampled_switching_session_runs_to_the_budget(pair):
+    target, drafter = pair
+    schedule = [TREE] * 2 + [None] * 4 + [CHAIN] * 3 + [None] * 3 + [TREE] * 4
+    session = SpecSession(target, drafter, None, 80, seed=1, policy=Scripted(schedule))
+    done = run_to_completion(session, prompts(), StopRules(max_new_tokens=40), SamplingParams(temperature=1.0, seed=1))
+    assert all(len(r.state.tokens) == 40 and all(0 <= t < 8192 for t in r.state.tokens) for r in done)
+
+
+def test_session_wants_a_spec_or_a_policy(pair):
+    target, drafter = pair
+    with pytest.raises(ValueError, match="AdaptivePolicy"):
+        SpecSession(target, drafter, None, 50)
+
+
+def test_catch_up_leaves_the_drafter_as_a_fresh_prefill_would(pair):
+    """After plain rounds, the drafter's state (its output at position n-1) equals what a drafter
+    prefilled over the whole committed text computes: the backlog pairs went in, in place."""
+    from draftsman.session import Request
+
+    target, drafter = pair
+    prompt = prompts()[0]
+    session = SpecSession(target, drafter, None, 120, policy=Scripted([CHAIN] * 3 + [None] * 5))
+    req = Request(0, prompt, StopRules(max_new_tokens=100), SamplingParams(temperature=0.0))
+    session.add([req])
+    for _ in range(8):
+        session.step()
+    stale = session.tensors["d_logits"].clone()
+    session._catch_up()
+    *committed, root = prompt + req.state.tokens
+    fresh = SpecSession(target, drafter, CHAIN, 120)
+    fresh.add([Request(1, committed, StopRules(max_new_tokens=5), SamplingParams(temperature=0.0))])
+    assert fresh.rows[0].state.tokens == [root]
+    torch.testing.assert_close(session.tensors["d_logits"], fresh.tensors["d_logits"], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(stale, fresh.tensors["d_logits"], atol=1e-2)
