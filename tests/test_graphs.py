@@ -128,3 +128,19 @@ def test_graphed_speculation_equals_plain_decoding_in_fp32(spec):
     spec_out, hist = decode(SpecSession(target, drafter, spec, 96), params, new=48)
     assert spec_out == plain
     assert sum(sum(h[1:]) for h in hist) > 0
+
+
+@pytest.mark.parametrize("spec", [None, SPECS[1]], ids=["plain", "tree"])
+def test_compiled_sessions_decode_the_same_tokens(pair, spec):
+    """torch.compile'd decode/draft/verify forwards (CPU inductor here; on CUDA they are then
+    captured in graphs) decode what eager forwards decode."""
+    target, drafter = pair
+    params = SamplingParams(temperature=0.0)
+    outs = []
+    for compile in (False, True):
+        session = (PlainSession(target, 64, compile=compile) if spec is None
+                   else SpecSession(target, drafter, spec, 64, compile=compile))
+        session.static = True
+        done = run_to_completion(session, prompts(1), StopRules(max_new_tokens=12), params)  # one shape per step
+        outs.append(done[0].state.tokens)
+    assert outs[0] == outs[1]

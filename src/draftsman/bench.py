@@ -464,6 +464,7 @@ class Workload:
     batch_sizes: tuple[int, ...] = (1,)
     warmup: int = 0
     seed: int | None = None
+    compile: bool = False  # torch.compile the step forwards (DecodeSession's compile)
 
     @property
     def max_len(self) -> int:
@@ -473,12 +474,13 @@ class Workload:
 def make_session(target, drafter, spec: SpecConfig | str | None, workload: Workload,
                  candidates: Sequence[SpecConfig] = ()) -> DecodeSession:
     """spec: None (plain), a SpecConfig, or ADAPTIVE (a fresh AdaptivePolicy over candidates)."""
+    w = workload
     if spec is None:
-        return PlainSession(target, workload.max_len, seed=workload.seed)
+        return PlainSession(target, w.max_len, seed=w.seed, compile=w.compile)
     if spec == ADAPTIVE:
-        return SpecSession(target, drafter, None, workload.max_len, seed=workload.seed,
-                           policy=AdaptivePolicy(candidates))
-    return SpecSession(target, drafter, spec, workload.max_len, seed=workload.seed)
+        return SpecSession(target, drafter, None, w.max_len, seed=w.seed, policy=AdaptivePolicy(candidates),
+                           compile=w.compile)
+    return SpecSession(target, drafter, spec, w.max_len, seed=w.seed, compile=w.compile)
 
 
 def _requests(prompts: Sequence[Sequence[int]], workload: Workload) -> list[Request]:

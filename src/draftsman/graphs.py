@@ -125,3 +125,25 @@ def graph_table(module: torch.nn.Module) -> GraphTable:
     if table is None:
         table = _TABLES[module] = GraphTable()
     return table
+
+
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+# Distinct static shapes one compiled forward may see (batch sizes x token counts of decode,
+# draft, verify and extension steps) before dynamo would give up and run it eagerly.
+RECOMPILE_LIMIT = 64
+
+
+def compiled(module: torch.nn.Module, method: str = "forward") -> Callable:
+    """torch.compile'd `module.<method>`, one per module and method (shared by every session),
+    specialised per input shape (dynamic=False: each decode/verify shape gets its own kernels,
+    then its own CUDA graph). Caches passed in are ordinary inputs, so new caches of the same
+    shape reuse the compiled code."""
+    table = _COMPILED.setdefault(module, {})
+    if method not in table:
+        import torch._dynamo.config as dynamo_config
+
+        torch.backends.cuda.enable_cudnn_sdp(False)  # see compile_step
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+        table[method] = torch.compile(getattr(module, method), dynamic=False)
+    return table[method]

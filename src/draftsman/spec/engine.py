@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from draftsman.generate import GenerationOutput, StopRules
-from draftsman.graphs import full_slot_mask
+from draftsman.graphs import compiled, full_slot_mask
 from draftsman.kvcache import StaticCache
 from draftsman.models.base import TargetModel
 from draftsman.sampling import SamplingParams
@@ -67,10 +67,12 @@ class SpecSession(DecodeSession):
     token), d_logits/d_hidden (drafter output that seeds depth 1), and sampling parameters."""
 
     def __init__(self, target: TargetModel, drafter, spec: SpecConfig | None, max_len: int, seed: int | None = None,
-                 policy: AdaptivePolicy | None = None) -> None:
+                 policy: AdaptivePolicy | None = None, compile: bool = False) -> None:
         """spec: the speculation shape of every round; or None with `policy`, which picks one of
-        its candidates, or plain decoding, per round (spec/adaptive.py)."""
-        super().__init__(target, max_len, seed)
+        its candidates, or plain decoding, per round (spec/adaptive.py). compile: as for
+        DecodeSession, for the drafter's forwards too."""
+        super().__init__(target, max_len, seed, compile)
+        self.d_fwd = compiled(drafter, "forward") if compile else drafter
         if (spec is None) == (policy is None):
             raise ValueError("give a SpecConfig, or spec=None and an AdaptivePolicy")
         self.drafter, self.policy = drafter, policy
@@ -115,8 +117,8 @@ class SpecSession(DecodeSession):
             logits, h = self.drafter(tokens, hidden, positions, cache=d_cache, cache_index=positions)
         else:
             def step(tokens: Tensor, feats: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-                return self.drafter(tokens, self.drafter.project(feats), positions, cache=d_cache,
-                                    cache_index=positions, attn_mask=full_slot_mask(positions, d_cache.max_len))
+                return self.d_fwd(tokens, self.drafter.project(feats), positions, cache=d_cache,
+                                  cache_index=positions, attn_mask=full_slot_mask(positions, d_cache.max_len))
             inputs = {"tokens": tokens, "feats": aux if isinstance(aux, Tensor) else torch.cat(aux, -1),
                       "positions": positions}
             logits, h = (self.run_step(self.drafter, "extend", step, [d_cache], **inputs) if graph
@@ -241,8 +243,8 @@ class SpecSession(DecodeSession):
             f_anc[:, :, (d - 1) * k : d * k] |= eye  # each frontier node is its own ancestor
             mask = self._scratch_mask(n, f_anc, scratch, d_cache)
             positions = (n + d - 1)[:, None].expand(bsz, k)
-            logits, h = self.drafter(f_tokens, f_hidden, positions, cache=d_cache, cache_index=slots,
-                                     attn_mask=mask)
+            logits, h = self.d_fwd(f_tokens, f_hidden, positions, cache=d_cache, cache_index=slots,
+                                   attn_mask=mask)
             c_scores, c_ids = F.log_softmax(logits.float(), -1).topk(k, dim=-1)  # [B, k, k]
             cum = (f_scores[..., None] + c_scores).reshape(bsz, k * k)
             level = pool.level_slice(d + 1, k)
@@ -275,8 +277,8 @@ class SpecSession(DecodeSession):
 
     def _target_verify(self, tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor) -> tuple[Tensor, ...]:
         """One target forward over the tree, written at slots n + node: (logits, *aux states)."""
-        out = self.target.run(tokens, positions=positions, cache=self.caches[0], cache_index=slots, attn_mask=mask,
-                              aux_layer_ids=self.aux_ids)
+        out = self.t_run(tokens, positions=positions, cache=self.caches[0], cache_index=slots, attn_mask=mask,
+                         aux_layer_ids=self.aux_ids)
         return (out.logits, *out.aux_hidden)
 
     def _verify_and_accept(self, tree: VerifyTree, n: Tensor) -> tuple[Tensor, ...]:
