@@ -1,5 +1,6 @@
-"""Plain decoding and speculation-round costs at Llama-3.1-8B geometry on one GPU (random bf16
-weights: a dense model's speed does not depend on their values).
+"""Plain decoding and speculation-round costs at Llama-3.1-8B geometry (or, with --geometry,
+Moonlight-16B-A3B's) on one GPU, random bf16 weights (a dense model's speed does not depend on
+their values; an MoE's routing does, and random routing is close to uniform).
 
     python benchmarks/h200_decode.py --out benchmarks/results/h200_decode_8b.json
 
@@ -29,14 +30,20 @@ import traceback
 from pathlib import Path
 
 import torch
-from geometries import LLAMA_31_8B  # benchmarks/ is on sys.path when run as a script
+from geometries import (  # benchmarks/ is on sys.path when run as a script
+    LLAMA_31_8B,
+    MOONLIGHT_16B_A3B,
+)
 from h200_json import update_h200_json
 
+from draftsman.bench import decode_weight_bytes
 from draftsman.config import parse_target_config
 from draftsman.graphs import CudaGraphRunner, compile_step, full_slot_mask
 from draftsman.models import build_target
 from draftsman.models.layers import attention as sdpa_attention
 from draftsman.weights import build_empty
+
+GEOMETRIES = {"llama-3.1-8b": LLAMA_31_8B, "moonlight-16b-a3b": MOONLIGHT_16B_A3B}
 
 
 def cuda_time(fn, iters: int) -> float:
@@ -224,7 +231,7 @@ def draft_costs(model, sizes, ctx_len: int, compiled: bool) -> dict:
     drafter = init_drafter(model, draft_vocab_size=32000, seed=0, dtype=torch.bfloat16)
     max_len = ctx_len + 64
     cache = drafter.new_cache(1, max_len)
-    hidden = torch.randn(1, 1, 4096, device="cuda", dtype=torch.bfloat16)
+    hidden = torch.randn(1, 1, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
 
     def fwd(tokens, slots, hidden):
         mask = full_slot_mask(slots, max_len)
@@ -286,22 +293,24 @@ def round_costs(model, ctx_len: int, batches=(1,), rounds: int = 20) -> dict:
 def h200_figures(res: dict) -> dict:
     """The issue's headline keys from one results JSON of this script (absent arms: no key)."""
     arms, out = res.get("arms", {}), {}
+    tag = {"llama-3.1-8b": "8b", "moonlight-16b-a3b": "moonlight"}[res.get("geometry", "llama-3.1-8b")]
     graphs = {k: v for k, v in arms.items() if k.startswith("graph_")}
     if graphs:
         name, best = max(graphs.items(), key=lambda kv: kv[1]["fraction_of_floor"])
-        out |= {"plain_decode_fraction_of_floor_8b": best["fraction_of_floor"],
-                "plain_decode_ms_8b": best["ms_per_token"], "plain_decode_arm_8b": name,
-                "floor_ms_8b": res["floor_ms"], "copy_bandwidth_TBps": res["copy_bandwidth_TBps"]}
+        out |= {f"plain_decode_fraction_of_floor_{tag}": best["fraction_of_floor"],
+                f"plain_decode_ms_{tag}": best["ms_per_token"], f"plain_decode_arm_{tag}": name,
+                f"floor_ms_{tag}": res["floor_ms"], "copy_bandwidth_TBps": res["copy_bandwidth_TBps"]}
     if "hf_generate" in arms:
-        out["hf_generate_ms_8b"] = arms["hf_generate"]["ms_per_token"]
+        out[f"hf_generate_ms_{tag}"] = arms["hf_generate"]["ms_per_token"]
     if "rounds" in arms:
         for name, ratio in arms["rounds"]["over_plain_step"].items():
-            out[f"round_over_step_8b_{name}"] = ratio
+            out[f"round_over_step_{tag}_{name}"] = ratio
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--geometry", default="llama-3.1-8b", choices=list(GEOMETRIES))
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--arms", default="hf_generate,engine_eager,graph_eager,graph_compiled,verify,draft")
@@ -321,7 +330,7 @@ def main() -> None:
         return
     torch.backends.cuda.matmul.allow_tf32 = False
     res: dict = {"fused_projections": not args.no_fuse, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                 "cuda": torch.version.cuda, "geometry": "llama-3.1-8b", "batch": 1,
+                 "cuda": torch.version.cuda, "geometry": args.geometry, "batch": 1,
                  "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                  "date": time.strftime("%Y-%m-%d"), "arms": {}, "errors": {}}
 
@@ -331,14 +340,17 @@ def main() -> None:
             Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
 
     bw = copy_bandwidth()
-    model = random_model(LLAMA_31_8B, fuse=not args.no_fuse)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    embed_bytes = model.embed_tokens.weight.numel() * 2
+    raw = GEOMETRIES[args.geometry]
+    model = random_model(raw, fuse=not args.no_fuse)
     ctx = args.prompt_len + args.new_tokens // 2
-    kv_bytes = 2 * 32 * 8 * 128 * 2 * ctx
-    res.update(copy_bandwidth_TBps=bw / 1e12, weight_bytes=weight_bytes,
-               floor_ms=weight_bytes / bw * 1e3,
-               strict_floor_ms=(weight_bytes - embed_bytes + kv_bytes) / bw * 1e3)
+    kv_bytes = model.new_cache(1, 1).nbytes() * ctx
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # The issue's floors: dense, every weight once per token; MoE, only the routed experts a
+    # token uses (and embedding rows, not the table).
+    floor_bytes = weight_bytes if model.config.moe is None else decode_weight_bytes(model, 1)
+    must_read = decode_weight_bytes(model, 1) + kv_bytes
+    res.update(copy_bandwidth_TBps=bw / 1e12, weight_bytes=weight_bytes, floor_bytes=floor_bytes,
+               floor_ms=floor_bytes / bw * 1e3, strict_floor_ms=must_read / bw * 1e3)
     save()
     gen = torch.Generator(device="cuda").manual_seed(1)
     prompt = torch.randint(0, 128000, (1, args.prompt_len), device="cuda", generator=gen)
@@ -349,7 +361,9 @@ def main() -> None:
         try:
             with torch.no_grad():
                 if arm == "hf_generate":
-                    r = hf_arm(model, LLAMA_31_8B, prompt, args.new_tokens)
+                    if model.config.moe is not None:
+                        raise ValueError("hf_generate arm: Llama geometries only (HF stores MoE experts fused)")
+                    r = hf_arm(model, raw, prompt, args.new_tokens)
                 elif arm == "engine_eager":
                     r = engine_arm(model, prompt, args.new_tokens)
                 elif arm.startswith(("graph_eager", "graph_compiled")):

@@ -29,6 +29,15 @@ def prompts(n=3, seed=0):
     return [torch.randint(5, 8000, (k,), generator=g).tolist() for k in (9, 17, 5)[:n]]
 
 
+def new_session(target, drafter, spec, max_len=64, seed=7, **flags):
+    """A plain (spec None) or speculative session with attributes (static, graphed) overridden."""
+    session = (PlainSession(target, max_len, seed=seed) if spec is None
+               else SpecSession(target, drafter, spec, max_len, seed=seed))
+    for name, value in flags.items():
+        setattr(session, name, value)
+    return session
+
+
 def decode(session, params, new=24):
     done = run_to_completion(session, prompts(), StopRules(max_new_tokens=new), params)
     return [r.state.tokens for r in done], [r.histogram for r in done]
@@ -50,10 +59,7 @@ def test_static_masks_decode_the_same_tokens(pair, spec, temperature):
     params = SamplingParams(temperature=temperature, seed=7)
     outs = []
     for static in (False, True):
-        session = (PlainSession(target, 64, seed=7) if spec is None
-                   else SpecSession(target, drafter, spec, 64, seed=7))
-        session.static = static
-        outs.append(decode(session, params))
+        outs.append(decode(new_session(target, drafter, spec, static=static), params))
     assert outs[0] == outs[1]
     if spec is not None and temperature == 0:
         assert sum(sum(h[1:]) for h in outs[0][1]) > 0  # some drafts accepted: compaction exercised
@@ -104,10 +110,7 @@ def test_graphed_sessions_equal_eager_ones(spec, temperature):
     params = SamplingParams(temperature=temperature, seed=7)
     outs = []
     for graphed in (False, True):
-        session = (PlainSession(target, 64, seed=7) if spec is None
-                   else SpecSession(target, drafter, spec, 64, seed=7))
-        session.graphed = graphed
-        outs.append(decode(session, params))
+        outs.append(decode(new_session(target, drafter, spec, graphed=graphed), params))
     assert outs[0] == outs[1]
     for module in (target, drafter):
         assert not graph_table(module).failed, graph_table(module).failed

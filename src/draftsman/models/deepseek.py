@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from draftsman.config import MoEConfig, TargetConfig
+from draftsman.kernels import triton_available
 from draftsman.models.base import AttnContext, TargetModel
 from draftsman.models.layers import (
     RMSNorm,
@@ -151,6 +152,10 @@ class Experts(nn.Module):
         """x [N, H], weights/ids [N, k] -> sum_k weights * expert_ids(x)."""
         if self.gate_proj.shape[0] <= 2 * ids.shape[1]:
             return self.dense(x, weights, ids)
+        if x.is_cuda and triton_available():  # grouped by expert on the device: no host sync
+            from draftsman.kernels.moe import moe_experts
+
+            return moe_experts(x, weights, ids, self.gate_proj, self.up_proj, self.down_proj)
         return self.grouped(x, weights, ids)
 
     def dense(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
@@ -174,8 +179,8 @@ class Experts(nn.Module):
         flat = ids.flatten()
         order = flat.argsort(stable=True)  # group the N*k assignments by expert
         tokens = order // k
-        # One host sync per MoE layer to size each expert's batch: simple and fine on CPU; a
-        # grouped-GEMM kernel is what would replace this loop on the GPU.
+        # One host sync per MoE layer to size each expert's batch: simple and fine on CPU; on
+        # CUDA with Triton, kernels.moe runs the same grouping without it.
         counts = torch.bincount(flat, minlength=self.gate_proj.shape[0]).tolist()
         out = torch.zeros_like(x)
         start = 0

@@ -173,12 +173,7 @@ class SpecSession(DecodeSession):
         st = self.tensors
         n, root = st["n"], st["root"]
         tree = VerifyTree(root[:, None], torch.full_like(root[:, None], -1), torch.zeros_like(root[:, None]))
-        inputs = self._verify_inputs(tree, n)
-        if self.static:
-            logits, *aux = self.run_step(self.target, ("verify", self.aux_ids), self._target_verify,
-                                         [self.caches[0]], **inputs)
-        else:
-            logits, *aux = self._target_verify(**inputs)
+        logits, *aux = self._verify(tree, n)
         nxt = self.sample_next(logits[:, 0], st, self.all_greedy)
         feats = torch.cat(aux, -1).to(st["bk_feats"].dtype)
         st["bk_tokens"] = torch.cat([st["bk_tokens"][:, 1:], nxt[:, None]], 1)
@@ -281,14 +276,16 @@ class SpecSession(DecodeSession):
                          aux_layer_ids=self.aux_ids)
         return (out.logits, *out.aux_hidden)
 
-    def _verify_and_accept(self, tree: VerifyTree, n: Tensor) -> tuple[Tensor, ...]:
-        """Verify (a graphed forward when static) and accept with the per-row sampling rules."""
+    def _verify(self, tree: VerifyTree, n: Tensor) -> tuple[Tensor, ...]:
+        """The tree's target forward, from a CUDA graph when static: (logits, *aux states)."""
         inputs = self._verify_inputs(tree, n)
-        if self.static:
-            logits, *aux = self.run_step(self.target, ("verify", self.aux_ids), self._target_verify,
-                                         [self.caches[0]], **inputs)
-        else:
-            logits, *aux = self._target_verify(**inputs)
+        if not self.static:
+            return self._target_verify(**inputs)
+        return self.run_step(self.target, ("verify", self.aux_ids), self._target_verify, [self.caches[0]], **inputs)
+
+    def _verify_and_accept(self, tree: VerifyTree, n: Tensor) -> tuple[Tensor, ...]:
+        """Verify and accept with the per-row sampling rules."""
+        logits, *aux = self._verify(tree, n)
         if self.all_greedy:
             res = greedy_accept(tree.tokens, tree.parents, logits, max_depth=self.spec.steps)
         else:  # rows at temperature 0 get one-hot probabilities: greedy acceptance for them

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Every H200 benchmark of issue 10 in one device call, each under its own deadline, results in
+# $OUT (default benchmarks/results/h200-run): GPU tests first, then the figures of h200.json.
+#   bash benchmarks/run_h200.sh                        (on the GPU machine, from the repository root)
+#   STEPS="gpu_tests decode_8b" bash benchmarks/run_h200.sh   (only those steps: all of them take
+#                                                       longer than one 10-minute device call)
+set -u
+OUT=${OUT:-benchmarks/results/h200-run}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
+H=$OUT/h200.json
+step() {  # step NAME SECONDS CMD...: run with a deadline, log rc and wall time
+  local name=$1 limit=$2; shift 2
+  if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then return; fi
+  local t=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name rc=$? $(( $(date +%s) - t ))s" | tee -a "$OUT/steps.txt"
+}
+step gpu_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/
+step decode_8b 200 python3 benchmarks/h200_decode.py --arms graph_eager,graph_compiled,rounds \
+  --batches 1,4,16,64 --out "$OUT/decode_8b.json" --h200-json "$H"
+step decode_moonlight 200 python3 benchmarks/h200_decode.py --geometry moonlight-16b-a3b \
+  --arms graph_eager,graph_compiled,rounds --out "$OUT/decode_moonlight.json" --h200-json "$H"
+step batch 240 python3 benchmarks/h200_batch.py --out "$OUT/batch.json" --h200-json "$H"
+step load 200 python3 benchmarks/h200_load.py --out "$OUT/load_8b.json"
+cat "$OUT/steps.txt" 2>/dev/null
