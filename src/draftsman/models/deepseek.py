@@ -11,6 +11,7 @@ as Hugging Face does; both compute the same function.
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import replace
 
 import torch
@@ -30,6 +31,9 @@ from draftsman.models.layers import (
     yarn_softmax_scale,
 )
 from draftsman.weights import SKIP, CheckpointError
+
+# Set once the Triton MoE kernel has failed in this process (the error, for reports).
+_KERNEL_FAILED: list[str] = []
 
 # DeepSeek's reference code (and HF) build q_a/kv_a layernorms without passing rms_norm_eps.
 _LATENT_NORM_EPS = 1e-6
@@ -152,10 +156,15 @@ class Experts(nn.Module):
         """x [N, H], weights/ids [N, k] -> sum_k weights * expert_ids(x)."""
         if self.gate_proj.shape[0] <= 2 * ids.shape[1]:
             return self.dense(x, weights, ids)
-        if x.is_cuda and triton_available():  # grouped by expert on the device: no host sync
-            from draftsman.kernels.moe import moe_experts
+        if x.is_cuda and triton_available() and not _KERNEL_FAILED:  # grouped on the device: no host sync
+            try:
+                from draftsman.kernels.moe import moe_experts
 
-            return moe_experts(x, weights, ids, self.gate_proj, self.up_proj, self.down_proj)
+                return moe_experts(x, weights, ids, self.gate_proj, self.up_proj, self.down_proj)
+            except Exception as e:  # a Triton build or launch failure: keep serving
+                _KERNEL_FAILED.append(repr(e))
+                warnings.warn(f"Triton MoE kernel failed ({e!r}); using the PyTorch expert loop "
+                              "(one host sync per MoE layer) from now on", stacklevel=2)
         return self.grouped(x, weights, ids)
 
     def dense(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
