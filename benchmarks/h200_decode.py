@@ -10,6 +10,7 @@ Arms, all batch 1, greedy, one prompt of --prompt-len tokens then --new-tokens t
   graph_eager       the decode step (full-cache mask, no host sync) captured in a CUDA graph
   graph_compiled    the same step through torch.compile, then captured
   *_math            a graph arm with attention as matmuls + softmax instead of SDPA
+  *_autotune        a compiled arm in torch.compile's max-autotune-no-cudagraphs mode
 ms/token = (time for N tokens - time for 1 token) / (N - 1), so prefill is excluded.
 Floor: bytes of all weights / measured copy bandwidth (the issue's definition; `strict_floor_ms`
 counts only what a token must read: weights less the embedding table, plus its KV cache).
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 import traceback
 from pathlib import Path
@@ -250,12 +252,13 @@ def draft_costs(model, sizes, ctx_len: int, compiled: bool) -> dict:
 ROUND_SPECS = {"chain6": (5, 1, 6), "tree16": (5, 4, 16), "tree32": (6, 6, 32), "tree64": (7, 8, 64)}
 
 
-def round_costs(model, ctx_len: int, batches=(1,), rounds: int = 20) -> dict:
+def round_costs(model, ctx_len: int, batches=(1,), rounds: int = 20, compile: bool = False) -> dict:
     """ms of one engine step (plain: a decode step; spec: a whole round, draft + verify + accept +
     drafter extension, greedy so the round is one graph) with an 8B-shaped drafter, per batch
     size. Timed by the host clock around `rounds` session.step() calls after 3 warm-up steps
     (the first captures the graphs), each ending in the round's one host sync. Speculation's
-    break-even tau at a batch size is its round time over the plain step time."""
+    break-even tau at a batch size is its round time over the plain step time. compile: the
+    sessions' torch.compile'd forwards (compiled during the warm-up steps)."""
     from draftsman.generate import StopRules
     from draftsman.models.eagle3 import init_drafter
     from draftsman.session import PlainSession, Request
@@ -265,9 +268,9 @@ def round_costs(model, ctx_len: int, batches=(1,), rounds: int = 20) -> dict:
     gen = torch.Generator().manual_seed(2)
     budget = 16 * (rounds + 4)
     max_len = ctx_len + budget + 1
-    makers = {"plain": lambda: PlainSession(model, max_len)}
+    makers = {"plain": lambda: PlainSession(model, max_len, compile=compile)}
     for name, (steps, topk, n) in ROUND_SPECS.items():
-        makers[name] = (lambda cfg: lambda: SpecSession(model, drafter, cfg, max_len))(
+        makers[name] = (lambda cfg: lambda: SpecSession(model, drafter, cfg, max_len, compile=compile))(
             SpecConfig(steps=steps, topk=topk, draft_tokens=n))
     out: dict = {}
     for b in batches:
@@ -316,6 +319,7 @@ def main() -> None:
     ap.add_argument("--arms", default="hf_generate,engine_eager,graph_eager,graph_compiled,verify,draft")
     ap.add_argument("--profile", action="store_true", help="graph arms: also profile kernels per step")
     ap.add_argument("--no-fuse", action="store_true", help="separate q/k/v and gate/up GEMMs (as before fusion)")
+    ap.add_argument("--compile-rounds", action="store_true", help="rounds arm: torch.compile'd sessions")
     ap.add_argument("--batches", default="1", help="rounds arm: batch sizes, comma list (default 1)")
     ap.add_argument("--out")
     ap.add_argument("--h200-json", help="merge the headline figures into this file (benchmarks/h200.json)")
@@ -370,15 +374,22 @@ def main() -> None:
                     import draftsman.models.llama as llama
 
                     llama.attention = math_attention if arm.endswith("_math") else sdpa_attention
-                    r, _runner, _cache = graph_arm(model, prompt, args.new_tokens, "compiled" in arm, args.profile)
-                    llama.attention = sdpa_attention
+                    if arm.endswith("_autotune"):  # Triton GEMM templates with fused epilogues
+                        os.environ["DRAFTSMAN_COMPILE_MODE"] = "max-autotune-no-cudagraphs"
+                    try:
+                        r, _runner, _cache = graph_arm(model, prompt, args.new_tokens, "compiled" in arm,
+                                                       args.profile)
+                    finally:
+                        llama.attention = sdpa_attention
+                        os.environ.pop("DRAFTSMAN_COMPILE_MODE", None)
                     del _runner, _cache
                     if arm == "graph_compiled":
                         best_compiled = r["ms_per_token"] < res["arms"].get("graph_eager", {}).get("ms_per_token", 1e9)
                 elif arm == "verify":
                     r = {"compiled": best_compiled, "ms": verify_costs(model, [1, 6, 16, 32, 64], ctx, best_compiled)}
                 elif arm == "rounds":
-                    r = round_costs(model, ctx, [int(b) for b in args.batches.split(",")])
+                    r = round_costs(model, ctx, [int(b) for b in args.batches.split(",")], compile=args.compile_rounds)
+                    r["compiled"] = args.compile_rounds
                 elif arm == "draft":
                     r = {"compiled": best_compiled} | draft_costs(model, [1, 4, 6, 8], ctx, best_compiled)
                 else:

@@ -147,3 +147,15 @@ def test_compiled_sessions_decode_the_same_tokens(pair, spec):
         done = run_to_completion(session, prompts(1), StopRules(max_new_tokens=12), params)  # one shape per step
         outs.append(done[0].state.tokens)
     assert outs[0] == outs[1]
+
+
+def test_compile_mode_comes_from_the_environment(monkeypatch):
+    from draftsman.graphs import compile_mode
+
+    monkeypatch.delenv("DRAFTSMAN_COMPILE_MODE", raising=False)
+    assert compile_mode() is None
+    monkeypatch.setenv("DRAFTSMAN_COMPILE_MODE", "max-autotune-no-cudagraphs")
+    assert compile_mode() == "max-autotune-no-cudagraphs"
+    monkeypatch.setenv("DRAFTSMAN_COMPILE_MODE", "reduce-overhead")
+    with pytest.raises(ValueError, match="captures CUDA graphs itself"):
+        compile_mode()

@@ -67,7 +67,18 @@ def compile_step(fn: Callable[..., Outputs]) -> Callable[..., Outputs]:
     backend per call, so cuDNN's fused attention (a plan built per shape) is turned off
     process-wide here."""
     torch.backends.cuda.enable_cudnn_sdp(False)
-    return torch.compile(fn, fullgraph=True, dynamic=False)
+    return torch.compile(fn, fullgraph=True, dynamic=False, mode=compile_mode())
+
+
+def compile_mode() -> str | None:
+    """torch.compile's mode for draftsman's steps: DRAFTSMAN_COMPILE_MODE (e.g.
+    "max-autotune-no-cudagraphs": Triton GEMMs with fused epilogues, long compiles), else the
+    default. Modes that capture CUDA graphs themselves are refused: draftsman captures its own."""
+    mode = os.environ.get("DRAFTSMAN_COMPILE_MODE") or None
+    if mode in ("reduce-overhead", "max-autotune"):
+        raise ValueError(f"DRAFTSMAN_COMPILE_MODE={mode}: that mode captures CUDA graphs itself; use "
+                         "default or max-autotune-no-cudagraphs")
+    return mode
 
 
 def graphs_enabled(device: torch.device) -> bool:
@@ -145,5 +156,5 @@ def compiled(module: torch.nn.Module, method: str = "forward") -> Callable:
 
         torch.backends.cuda.enable_cudnn_sdp(False)  # see compile_step
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
-        table[method] = torch.compile(getattr(module, method), dynamic=False)
+        table[method] = torch.compile(getattr(module, method), dynamic=False, mode=compile_mode())
     return table[method]
