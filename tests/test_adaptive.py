@@ -165,3 +165,46 @@ def test_catch_up_leaves_the_drafter_as_a_fresh_prefill_would(pair):
     assert fresh.rows[0].state.tokens == [root]
     torch.testing.assert_close(session.tensors["d_logits"], fresh.tensors["d_logits"], rtol=1e-4, atol=1e-4)
     assert not torch.allclose(stale, fresh.tensors["d_logits"], atol=1e-2)
+
+
+@pytest.mark.parametrize("schedule", [[None, TREE], [TREE, None, CHAIN]], ids=["plain-then-tree", "tree-plain-chain"])
+def test_switching_samples_from_the_target_distribution(tmp_path_factory, schedule):
+    """Vocabulary of 8, 4000 rows: with rounds switching between plain steps and speculation,
+    the joint law of generated tokens 2 and 3 equals the target's (chi-square), as it must for
+    lossless sampling."""
+    import math
+
+    from test_engine import BigramDrafter, _chi2_critical
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from draftsman.sampling import warp_probs
+
+    torch.manual_seed(3)
+    cfg = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    hf = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(40)
+    path = tmp_path_factory.mktemp("vocab8")
+    hf.save_pretrained(path)
+    target = draftsman.load_target(path)
+    prompt, n = [1, 5, 3], 4000
+    policy = Scripted(schedule)
+    policy.candidates = [CHAIN, TREE]
+    session = SpecSession(target, BigramDrafter(target), None, 16, seed=0, policy=policy)
+    done = run_to_completion(session, [prompt] * n, StopRules(max_new_tokens=3), SamplingParams(temperature=1.0, seed=0))
+    with torch.no_grad():
+        p1 = warp_probs(target(torch.tensor([prompt]))[0, -1], 1.0, 0, 1.0)  # [8]
+        two = torch.tensor([[*prompt, a] for a in range(8)])
+        p2 = warp_probs(target(two)[:, -1], 1.0, 0, 1.0)  # [8 (t1), 8 (t2)]
+        three = torch.tensor([[*prompt, a, b] for a in range(8) for b in range(8)])
+        p3 = warp_probs(target(three)[:, -1], 1.0, 0, 1.0).view(8, 8, 8)  # [t1, t2, t3]
+    expected = (p1[:, None, None] * p2[:, :, None] * p3).sum(0).flatten() * n  # law of (t2, t3)
+    pairs = torch.tensor([r.state.tokens[1:3] for r in done])
+    observed = torch.bincount(pairs[:, 0] * 8 + pairs[:, 1], minlength=64).double()
+    keep = expected > 5
+    stat = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    rest_o, rest_e = observed[~keep].sum(), expected[~keep].sum()
+    assert rest_o <= rest_e + 5 * math.sqrt(rest_e + 1) + 5
+    assert stat < _chi2_critical(int(keep.sum()) - 1), (stat, int(keep.sum()))
+    assert sum(sum(a) for arm, a in policy.log if arm is not None) > 0  # speculation accepted drafts

@@ -127,6 +127,15 @@ def spec(dirs):
 
 
 @pytest.fixture(scope="module")
+def adaptive(dirs, model):
+    """Speculation with the bigram drafter only where it measures faster than plain steps."""
+    state = build_state(model, load_tokenizer(dirs[0]), EOS, BigramDrafter(model), SPEC,
+                        max_model_len=MAX_LEN, max_batch_size=16, model_name="adaptive", adaptive=True)
+    with LiveServer(state) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
 def bigram(dirs, model):
     state = build_state(model, load_tokenizer(dirs[0]), EOS, BigramDrafter(model), SPEC,
                         max_model_len=MAX_LEN, max_batch_size=16, model_name="bigram")
@@ -142,11 +151,11 @@ def generate_ref(capsys, *args: str) -> dict:
 
 
 # ---- the OpenAI client, and equality with `draftsman generate` ------------------------------------
-@pytest.mark.parametrize("kind", ["plain", "spec", "bigram"])
+@pytest.mark.parametrize("kind", ["plain", "spec", "bigram", "adaptive"])
 def test_openai_client_matches_generate(kind, request, dirs, capsys):
     server: LiveServer = request.getfixturevalue(kind)
     client = server.client()
-    extra = ["--drafter", str(dirs[1]), *SPEC_ARGS] if kind == "spec" else []  # bigram: plain reference
+    extra = ["--drafter", str(dirs[1]), *SPEC_ARGS] if kind == "spec" else []  # bigram, adaptive: plain reference
     for chat in (False, True):
         ref = generate_ref(capsys, "--target", str(dirs[0]), "--prompt", "hello world", "--max-new-tokens",
                            "12", *(["--chat"] if chat else []), *extra)
@@ -173,7 +182,7 @@ def test_openai_client_matches_generate(kind, request, dirs, capsys):
         assert parts[-1].finish_reason == choice.finish_reason
         assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
         assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
-        if kind != "plain":
+        if kind not in ("plain", "adaptive"):  # adaptive: the policy may pick other rounds this time
             assert chunks[-1].model_extra["spec_decoding"] == whole.model_extra["spec_decoding"]
 
 
@@ -530,6 +539,22 @@ def test_metrics_add_up_to_the_responses(bigram):
         assert u.completion_tokens <= 1 + s["rounds"] + s["accepted_tokens"]
     assert metric(after, "draftsman:num_requests_running") == 0
     assert metric(after, "draftsman:num_requests_waiting") == 0
+
+
+def test_adaptive_server_counts_only_the_drafts_it_verified(adaptive):
+    """Plain rounds (the policy measures them first) draft nothing: the draft-token counter and
+    each response's draft_tokens count only speculative rounds' drafts."""
+    client = adaptive.client()
+    before = adaptive.metrics()
+    specs = [client.completions.create(model=adaptive.name, prompt=p, max_tokens=24, temperature=0)
+             .model_extra["spec_decoding"] for p in ("hello world", "how are you", "w5 w6 w7 w8")]
+    after = adaptive.metrics()
+    drafted = metric(after, "draftsman:spec_decode_num_draft_tokens_total") - \
+        metric(before, "draftsman:spec_decode_num_draft_tokens_total")
+    rounds = sum(s["rounds"] for s in specs)
+    assert drafted == sum(s["draft_tokens"] for s in specs)
+    assert 0 < drafted < rounds * (SPEC.draft_tokens - 1)
+    assert all(s["draft_tokens"] % (SPEC.draft_tokens - 1) == 0 for s in specs)
 
 
 # ---- the command line: a subprocess server, SIGTERM -----------------------------------------------

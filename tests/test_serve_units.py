@@ -64,7 +64,7 @@ def test_speculation_counters_give_tau_and_per_position_rates():
     m = ServeMetrics("x")
     m.init_positions(3)
     hist = [2, 1, 0, 3]  # rounds that accepted 0, 1, 2, 3 drafts
-    m.count_rounds(hist, draft_tokens_per_round=5)
+    m.count_rounds(hist, draft_tokens=sum(hist) * 5)
     v = metric_values(m)
     ref = summarize_histogram(hist, 5)
     drafts = v[("draftsman:spec_decode_num_drafts_total", (("model_name", "x"),))]

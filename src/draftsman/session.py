@@ -50,6 +50,7 @@ class Request:
     params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
     state: RowState = field(init=False)
     histogram: list[int] = field(default_factory=list)  # rounds by accepted drafts (speculation)
+    drafted: int = 0  # draft tokens verified for this request, over all its rounds
 
     def __post_init__(self) -> None:
         self.state = RowState(self.rules)

@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-topk", type=int, default=None, help="branching per draft step (default 4)")
     p.add_argument("--spec-draft-tokens", type=int, default=None,
                    help="verified tree nodes incl. the root (default 16; steps + 1 when topk is 1)")
+    p.add_argument("--spec-adaptive", action="store_true",
+                   help="speculate only at batch sizes where it measures faster than plain decoding "
+                        "(round times and acceptance measured while serving; plain steps elsewhere)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", default=os.environ.get("DRAFTSMAN_API_KEY"),
@@ -75,14 +78,14 @@ def run(args: argparse.Namespace) -> int:
     spec = None
     if args.drafter:
         spec = spec_config_from_args(args)
-    elif any(v is not None for v in (args.spec_steps, args.spec_topk, args.spec_draft_tokens)):
+    elif any(v is not None for v in (args.spec_steps, args.spec_topk, args.spec_draft_tokens)) or args.spec_adaptive:
         raise SystemExit("error: --spec-* flags need --drafter")
     device = resolve_device(args.device)
     try:
         state = load_state(args.target, args.drafter, spec, device=device,
                            dtype=resolve_dtype(args.dtype, device), max_model_len=args.max_model_len,
                            max_batch_size=args.max_batch_size, model_name=args.served_model_name,
-                           api_key=args.api_key)
+                           api_key=args.api_key, adaptive=args.spec_adaptive)
     except (OSError, ValueError, RuntimeError) as e:
         raise SystemExit(f"error: {e}") from None
     run_server(state, args.host, args.port, args.shutdown_timeout, args.log_level)

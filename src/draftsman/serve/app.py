@@ -352,7 +352,8 @@ def create_app(state: ServeState) -> FastAPI:
                                          "total_tokens": len(r.prompt) + len(tokens)}}
         if state.spec_steps:
             hist = r.histogram or [0] * (state.spec_steps + 1)
-            out["spec_decoding"] = spec_decoding_fields(summarize_histogram(hist, state.draft_tokens_per_round))
+            out["spec_decoding"] = spec_decoding_fields(summarize_histogram(hist, state.draft_tokens_per_round,
+                                                                            drafted=r.drafted))
         return out
 
     async def collect(req: SamplingRequest, job: Job, item: Event | JobFailed | None, gone: asyncio.Task,

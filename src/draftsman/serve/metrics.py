@@ -73,14 +73,15 @@ class ServeMetrics:
     def request_done(self, endpoint: str, status: int, finish_reason: str | None) -> None:
         self.requests.labels(self.model_name, endpoint, str(status), finish_reason or "none").inc()
 
-    def count_rounds(self, hist_delta: Sequence[int], draft_tokens_per_round: int) -> None:
-        """Add rounds given as a histogram delta (index = drafted tokens accepted in the round)."""
+    def count_rounds(self, hist_delta: Sequence[int], draft_tokens: int) -> None:
+        """Add rounds given as a histogram delta (index = drafted tokens accepted in the round)
+        and the draft tokens they verified."""
         rounds = sum(hist_delta)
         if rounds == 0:
             return
         name = self.model_name
         self.drafts.labels(name).inc(rounds)
-        self.draft_tokens.labels(name).inc(rounds * draft_tokens_per_round)
+        self.draft_tokens.labels(name).inc(draft_tokens)
         self.accepted_tokens.labels(name).inc(sum(i * h for i, h in enumerate(hist_delta)))
         for pos in range(len(hist_delta) - 1):
             reached = sum(hist_delta[pos + 1:])

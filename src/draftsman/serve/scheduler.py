@@ -58,6 +58,7 @@ class Job:
     first_token: float | None = None
     last_token: float | None = None
     counted: list[int] = field(default_factory=list)  # histogram already added to the metrics
+    counted_drafted: int = 0  # draft tokens already added to the metrics
 
     @property
     def request_id(self) -> Hashable:
@@ -274,8 +275,8 @@ class Scheduler:
         hist = job.request.histogram
         if not self.draft_tokens_per_round or hist == job.counted:
             return
-        self.metrics.count_rounds(histogram_delta(hist, job.counted), self.draft_tokens_per_round)
-        job.counted = list(hist)
+        self.metrics.count_rounds(histogram_delta(hist, job.counted), job.request.drafted - job.counted_drafted)
+        job.counted, job.counted_drafted = list(hist), job.request.drafted
 
     def _update_gauges(self) -> None:
         name = self.metrics.model_name

@@ -55,8 +55,13 @@ def build_state(
     max_batch_size: int = 32,
     model_name: str = "draftsman",
     api_key: str | None = None,
+    adaptive: bool = False,
 ) -> ServeState:
     """Wire a loaded target (and drafter) to a scheduler, metrics and the tokenizer.
+
+    adaptive: speculate with `spec` only where that is faster than plain decoding at the running
+    batch size, by round times and acceptance measured while serving (spec/adaptive.py; one
+    policy for all sessions).
 
     max_model_len bounds prompt + generated tokens of one request (a cache row has this many
     slots); it defaults to the target's max_position_embeddings capped at DEFAULT_MAX_MODEL_LEN,
@@ -71,7 +76,7 @@ def build_state(
     metrics = ServeMetrics(model_name)
     new_session: SessionFactory
     if drafter is None:
-        if spec is not None:
+        if spec is not None or adaptive:
             raise ValueError("speculation settings need a drafter")
         new_session = lambda seed: PlainSession(model, max_len, seed)  # noqa: E731
         steps = per_round = 0
@@ -79,7 +84,13 @@ def build_state(
         from draftsman.spec.engine import SpecConfig, SpecSession
 
         spec = spec or SpecConfig()
-        new_session = lambda seed: SpecSession(model, drafter, spec, max_len, seed)  # noqa: E731
+        if adaptive:
+            from draftsman.spec.adaptive import AdaptivePolicy
+
+            policy = AdaptivePolicy([spec])
+            new_session = lambda seed: SpecSession(model, drafter, None, max_len, seed, policy=policy)  # noqa: E731
+        else:
+            new_session = lambda seed: SpecSession(model, drafter, spec, max_len, seed)  # noqa: E731
         steps, per_round = spec.steps, spec.draft_tokens - 1
         metrics.init_positions(steps)
     scheduler = Scheduler(new_session, max_batch_size, metrics, per_round)

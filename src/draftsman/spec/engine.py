@@ -155,12 +155,14 @@ class SpecSession(DecodeSession):
             accept_len, emitted, *new = self._verify_and_accept(tree, state["n"])
         st["n"], st["root"], st["d_logits"], st["d_hidden"] = new
         lens, toks = accept_len.tolist(), emitted.tolist()  # the round's host sync
-        self._count(lens)
+        self._count(lens, self.spec.draft_tokens - 1)
         events = self._emit(range(len(self.rows)), [t[: a + 1] for t, a in zip(toks, lens, strict=True)])
         return events, lens
 
-    def _count(self, lens: list[int]) -> None:
+    def _count(self, lens: list[int], drafted: int) -> None:
+        """Per-request statistics of a round: accepted drafts, and `drafted` tokens verified."""
         for row, a in zip(self.rows, lens, strict=True):
+            row.drafted += drafted
             if len(row.histogram) <= self.max_steps:
                 row.histogram += [0] * (self.max_steps + 1 - len(row.histogram))
             row.histogram[a] += 1
@@ -182,7 +184,7 @@ class SpecSession(DecodeSession):
         st["n"], st["root"] = n + 1, nxt
         self._backlog = True
         lens = [0] * len(self.rows)
-        self._count(lens)
+        self._count(lens, 0)
         return self._emit(range(len(self.rows)), [[t] for t in nxt.tolist()]), lens
 
     def _catch_up(self) -> None:

@@ -417,10 +417,13 @@ class SpecStats:
         return out
 
 
-def summarize_histogram(hist: list[int], draft_tokens_per_round: int) -> dict:
+def summarize_histogram(hist: list[int], draft_tokens_per_round: int, drafted: int | None = None) -> dict:
+    """Rounds by accepted drafts -> τ and acceptance rates. drafted: the draft tokens verified,
+    when rounds differ in shape (adaptive speculation); else rounds x draft_tokens_per_round."""
     rounds = sum(hist)
     accepted = sum(i * h for i, h in enumerate(hist))
-    drafted = rounds * draft_tokens_per_round
+    if drafted is None:
+        drafted = rounds * draft_tokens_per_round
     at_least = [sum(hist[i:]) for i in range(1, len(hist))]  # rounds with accept_len >= i
     return {
         "rounds": rounds,
