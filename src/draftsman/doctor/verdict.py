@@ -72,7 +72,8 @@ def pay_check(pay: dict) -> Check:
         return Check("will it pay", WARN, f"predicted speed-up {parts} ({src}): speculation loses at every measured "
                      "batch size", ev)
     return Check("will it pay", WARN, f"predicted speed-up {parts} ({src}): speculation loses beyond batch size "
-                 f"{pay['pays_up_to_batch_size']} (from {pay['loses_from_batch_size']})", ev)
+                 f"{pay['pays_up_to_batch_size']} (from {pay['loses_from_batch_size']}); `serve --spec-adaptive` "
+                 "decodes plainly where it loses", ev)
 
 
 # ---- verdict ------------------------------------------------------------------------------------
