@@ -159,3 +159,20 @@ def test_compile_mode_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("DRAFTSMAN_COMPILE_MODE", "reduce-overhead")
     with pytest.raises(ValueError, match="captures CUDA graphs itself"):
         compile_mode()
+
+
+def test_span_covers_the_longest_row_in_powers_of_two(pair):
+    """Static steps attend over a power-of-two span (>= 64) covering the longest row plus the
+    slots the step writes past it, never beyond the cache."""
+    from draftsman.session import Request
+
+    target, _ = pair
+    session = PlainSession(target, 400)
+    session.add([Request(0, list(range(5, 75)), StopRules(max_new_tokens=300)),
+                 Request(1, list(range(5, 15)), StopRules(max_new_tokens=300))])
+    cache = session.caches[0]
+    assert session.span(cache, 1) == 128  # 70 prompt + 1 emitted + 1 written
+    assert session.span(cache, 58) == 256  # 71 + 58 = 129 > 128
+    assert session.span(cache, 10_000) == cache.max_len
+    session.cancel([0])
+    assert session.span(session.caches[0], 1) == 64  # only the 10-token prompt left

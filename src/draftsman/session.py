@@ -136,6 +136,15 @@ class DecodeSession(abc.ABC):
     def _round(self) -> list[Event]:
         """Advance every running row by one target forward."""
 
+    def span(self, cache: StaticCache, extra: int) -> int:
+        """Cache slots a static-shape step attends over: enough for the longest running row plus
+        `extra` slots written past it, rounded up to a power of two (>= 64; a handful of graph
+        shapes over a row's life), at most the cache. Known on the host (prompt + emitted
+        tokens), so sizing it costs no device sync, and attention reads ~the slots in use rather
+        than the whole cache (which at large batch would cost more than the weights)."""
+        need = max(len(r.prompt) + len(r.state.tokens) for r in self.rows) + extra
+        return min(cache.max_len, max(SPAN_MIN, 1 << (need - 1).bit_length()))
+
     def run_step(self, module: torch.nn.Module, kind: str, fn, caches: Sequence[StaticCache],
                  **inputs: Tensor) -> Outputs:
         """fn(**inputs), replayed from a CUDA graph captured per (kind, input shapes, caches) when
@@ -220,11 +229,16 @@ class PlainSession(DecodeSession):
         if not self.static:
             return self.target(tokens, cache=cache, positions=positions)
 
+        span = self.span(cache, 1)
+
         def step(tokens: Tensor, positions: Tensor) -> Tensor:
             return self.t_run(tokens, cache=cache, positions=positions,
-                              attn_mask=full_slot_mask(positions, cache.max_len)).logits
-        return self.run_step(self.target, "decode", step, [cache], tokens=tokens, positions=positions)
+                              attn_mask=full_slot_mask(positions, span)).logits
+        return self.run_step(self.target, ("decode", span), step, [cache], tokens=tokens, positions=positions)
 
+
+# Smallest attention span of a static-shape step (DecodeSession.span).
+SPAN_MIN = 64
 
 # Attention scores one prefill may hold (rows x heads x prompt x slots): large batches of long
 # prompts are prefilled in groups, so a kernel that materializes the scores stays within ~1 GB.

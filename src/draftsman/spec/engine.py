@@ -118,10 +118,11 @@ class SpecSession(DecodeSession):
         else:
             def step(tokens: Tensor, feats: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
                 return self.d_fwd(tokens, self.drafter.project(feats), positions, cache=d_cache,
-                                  cache_index=positions, attn_mask=full_slot_mask(positions, d_cache.max_len))
+                                  cache_index=positions, attn_mask=full_slot_mask(positions, span))
+            span = self._d_span
             inputs = {"tokens": tokens, "feats": aux if isinstance(aux, Tensor) else torch.cat(aux, -1),
                       "positions": positions}
-            logits, h = (self.run_step(self.drafter, "extend", step, [d_cache], **inputs) if graph
+            logits, h = (self.run_step(self.drafter, ("extend", span), step, [d_cache], **inputs) if graph
                          else step(**inputs))
         rows = torch.arange(tokens.shape[0], device=tokens.device)
         return logits[rows, last], h[rows, last]
@@ -129,27 +130,41 @@ class SpecSession(DecodeSession):
     # ---- one round ----------------------------------------------------------------------
     def _round(self) -> list[Event]:
         if self.policy is None:
+            self._set_spans()
             return self._spec_round()[0]
         batch = len(self.rows)
         arm = self.policy.choose(batch)
         start = time.perf_counter()
         if arm is None:
+            self._set_spans(plain=True)
             events, accepted = self._plain_round()
         else:
             self.spec = arm
+            self._set_spans()
             if self._backlog:
                 self._catch_up()
             events, accepted = self._spec_round()
         self.policy.observe(arm, batch, time.perf_counter() - start, accepted)  # ends in a host sync
         return events
 
+    def _set_spans(self, plain: bool = False) -> None:
+        """The slots this round's static-shape steps attend over, target and drafter
+        (DecodeSession.span): the verified tree (one node for a plain round) past the target's
+        rows; the drafter's scratch, its extension and any catch-up padding past its rows."""
+        if not self.static:
+            return
+        c = self.spec
+        self._t_span = self.span(self.caches[0], 1 if plain else c.draft_tokens)
+        scratch = (c.steps - 1) * c.topk + c.steps + 1
+        self._d_span = self.span(self.caches[1], max(scratch, BACKLOG if self.policy is not None else 0))
+
     def _spec_round(self) -> tuple[list[Event], list[int]]:
         st = self.tensors
         state = {k: st[k] for k in ("n", "root", "d_logits", "d_hidden")}
         if self.static and self.all_greedy:
             # Greedy rounds have no host sync and fixed shapes: one graph for the whole round.
-            accept_len, emitted, *new = self.run_step(self.target, ("round", self.spec, self.drafter),
-                                                      self._greedy_round, self.caches, **state)
+            key = ("round", self.spec, self.drafter, self._t_span, self._d_span)
+            accept_len, emitted, *new = self.run_step(self.target, key, self._greedy_round, self.caches, **state)
         else:
             tree = self._draft_tree(state)
             accept_len, emitted, *new = self._verify_and_accept(tree, state["n"])
@@ -216,7 +231,8 @@ class SpecSession(DecodeSession):
         if not self.static:
             return self._draft(**state)
         fn = lambda **kw: dataclasses.astuple(self._draft(**kw))  # noqa: E731
-        return VerifyTree(*self.run_step(self.drafter, ("draft", self.spec), fn, [self.caches[1]], **state))
+        return VerifyTree(*self.run_step(self.drafter, ("draft", self.spec, self._d_span), fn, [self.caches[1]],
+                                         **state))
 
     def _draft(self, n: Tensor, root: Tensor, d_logits: Tensor, d_hidden: Tensor) -> VerifyTree:
         k, steps = self.spec.topk, self.spec.steps
@@ -238,7 +254,7 @@ class SpecSession(DecodeSession):
             slots = n[:, None] + own
             f_anc = f_anc.clone()
             f_anc[:, :, (d - 1) * k : d * k] |= eye  # each frontier node is its own ancestor
-            mask = self._scratch_mask(n, f_anc, scratch, d_cache)
+            mask = self._scratch_mask(n, f_anc, scratch, self._d_span if self.static else None)
             positions = (n + d - 1)[:, None].expand(bsz, k)
             logits, h = self.d_fwd(f_tokens, f_hidden, positions, cache=d_cache, cache_index=slots,
                                    attn_mask=mask)
@@ -256,10 +272,11 @@ class SpecSession(DecodeSession):
             f_anc = f_anc.gather(1, parent[..., None].expand(-1, -1, f_anc.shape[-1]))
         return select_tree(pool, root, self.spec.draft_tokens)
 
-    def _scratch_mask(self, n: Tensor, anc: Tensor, scratch: int, cache: StaticCache) -> Tensor:
+    @staticmethod
+    def _scratch_mask(n: Tensor, anc: Tensor, scratch: int, span: int | None) -> Tensor:
         """[B, T, S] mask: committed slots [0, n) plus the scratch slots n + j marked in anc.
-        S covers the whole cache when shapes are static, else just the slots in use."""
-        s = cache.max_len if self.static else int(n.max()) + scratch
+        S = span for static shapes, else just the slots in use (read from the device)."""
+        s = span if span is not None else int(n.max()) + scratch
         slots = torch.arange(s, device=n.device)
         rel = slots[None, :] - n[:, None]  # [B, S] index into the scratch region
         in_scratch = (rel >= 0) & (rel < scratch)
@@ -270,7 +287,7 @@ class SpecSession(DecodeSession):
         m = tree.tokens.shape[1]
         return {"tokens": tree.tokens, "positions": n[:, None] + tree.depth,
                 "slots": n[:, None] + torch.arange(m, device=n.device),
-                "mask": self._scratch_mask(n, ancestor_mask(tree.parents), m, self.caches[0])}
+                "mask": self._scratch_mask(n, ancestor_mask(tree.parents), m, self._t_span if self.static else None)}
 
     def _target_verify(self, tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor) -> tuple[Tensor, ...]:
         """One target forward over the tree, written at slots n + node: (logits, *aux states)."""
