@@ -71,8 +71,8 @@ class DecodeSession(abc.ABC):
         self.rows: list[Request] = []
         self.caches: list[StaticCache] = []
         self.tensors: dict[str, Tensor] = {}  # per-row device state, dim 0 = row
-        # On CUDA every decode/draft/verify forward attends over whole caches (shapes fixed by
-        # the cache, no host sync to size a mask) and is replayed from a CUDA graph.
+        # On CUDA every decode/draft/verify forward attends over a span of cache slots sized on
+        # the host (`span`: fixed shapes, no device sync) and is replayed from a CUDA graph.
         self.static = self.device.type == "cuda" or compile  # compiled steps need fixed shapes
         self.graphed = graphs_enabled(self.device)
 
