@@ -474,3 +474,28 @@ def test_speculators_layer_names_accepted(tmp_path, target):
     renamed = {k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}
     d = load_drafter(write_ckpt(tmp_path / "l", raw, renamed), target=target)
     assert_tensors_equal(d, tensors)
+
+
+def test_inference_drafter_is_fused_frozen_and_computes_the_same(tmp_path):
+    import draftsman
+    from draftsman.models.eagle3 import load_drafter
+
+    target_dir, drafter_dir = draftsman.reference_pair()
+    target = draftsman.load_target(target_dir)
+    plain = load_drafter(drafter_dir, target=target)
+    fused = load_drafter(drafter_dir, target=target, inference=True)
+    attn = fused.midlayer.self_attn
+    assert hasattr(attn, "qkv_proj") and hasattr(fused.midlayer.mlp, "gate_up_proj")
+    assert not any(p.requires_grad for p in fused.parameters())
+    assert fused.state_dict().keys() == plain.state_dict().keys()
+    # a trainable drafter is never fused: gradients must reach its parameters
+    assert not hasattr(plain.midlayer.self_attn, "qkv_proj")
+    plain.midlayer.self_attn.fuse()
+    assert not hasattr(plain.midlayer.self_attn, "qkv_proj")
+    ids = torch.randint(0, 8000, (2, 7))
+    hidden = torch.randn(2, 7, 256)
+    with torch.no_grad():
+        a, ha = fused(ids, hidden)
+        b, hb = plain(ids, hidden)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ha, hb, rtol=1e-5, atol=1e-5)

@@ -236,7 +236,7 @@ def run_in_process(args: argparse.Namespace, prompts: list[str], batch_sizes: li
         from draftsman.models.eagle3 import load_drafter
 
         try:
-            drafter = load_drafter(args.drafter, target=model, device=device, dtype=dtype)
+            drafter = load_drafter(args.drafter, target=model, device=device, dtype=dtype, inference=True)
         except (ValueError, RuntimeError) as e:
             raise SystemExit(f"error: --drafter {args.drafter}: {e}") from None
     if args.seed is not None:

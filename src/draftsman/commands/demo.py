@@ -56,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     torch.set_grad_enabled(False)
     target = load_target(target_dir, device=device, dtype=resolve_dtype(args.dtype, device))
-    drafter = load_drafter(drafter_dir, target=target, device=device, dtype=target.lm_head.weight.dtype)
+    drafter = load_drafter(drafter_dir, target=target, device=device, dtype=target.lm_head.weight.dtype,
+                           inference=True)
     tokenizer = load_tokenizer(target_dir)
     if tokenizer is None:
         raise SystemExit(f"error: {target_dir} has no tokenizer; the demo needs one for chat prompts")

@@ -51,14 +51,14 @@ def run(args: argparse.Namespace) -> int:
         if Path(args.data).is_dir():
             store = HiddenStore(args.data)
             target = HeadOnlyTarget.load(args.target, device, dtype)
-            drafter = load_drafter(args.drafter, target=target, device=device, dtype=dtype)
+            drafter = load_drafter(args.drafter, target=target, device=device, dtype=dtype, inference=True)
             if tuple(store.aux_layer_ids) != tuple(drafter.aux_layer_ids):
                 raise ValueError(f"{args.data} holds aux layers {list(store.aux_layer_ids)}, the drafter reads "
                                  f"{list(drafter.aux_layer_ids)}")
             source = OfflineSource(store, target)
         else:
             target = load_target(args.target, device=device, dtype=dtype)
-            drafter = load_drafter(args.drafter, target=target, device=device, dtype=dtype)
+            drafter = load_drafter(args.drafter, target=target, device=device, dtype=dtype, inference=True)
             examples = load_tokenized(args.target, [args.data], args.max_length, args.num_samples)
             source = OnlineSource(examples, target, drafter.aux_layer_ids)
     except (ValueError, RuntimeError, FileNotFoundError) as e:

@@ -149,7 +149,8 @@ def make_decoder(args: argparse.Namespace, model, device):
 
     spec = spec_config_from_args(args)
     try:
-        drafter = load_drafter(args.drafter, target=model, device=device, dtype=model.lm_head.weight.dtype)
+        drafter = load_drafter(args.drafter, target=model, device=device, dtype=model.lm_head.weight.dtype,
+                               inference=True)
     except (ValueError, RuntimeError) as e:
         raise SystemExit(f"error: --drafter {args.drafter}: {e}") from None
     return SpecEngine(model, drafter, spec).generate

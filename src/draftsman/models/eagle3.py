@@ -31,6 +31,7 @@ from draftsman.models.layers import (
     SwiGLU,
     apply_rotary,
     attention,
+    fuse_linears,
     resolve_slots,
 )
 from draftsman.weights import (
@@ -57,11 +58,22 @@ class Eagle3Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
 
+    def fuse(self) -> None:
+        """One GEMM for q, k and v (inference): see fuse_linears."""
+        fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        if fused is not None:  # a plain attribute: not a submodule, so never counted or saved twice
+            object.__setattr__(self, "qkv_proj", fused)
+
     def forward(self, x: Tensor, ctx: AttnContext) -> Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim)
+        if hasattr(self, "qkv_proj"):
+            q, k, v = self.qkv_proj(x).split([self.n_heads * self.head_dim, self.n_kv * self.head_dim,
+                                              self.n_kv * self.head_dim], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, t, self.n_heads, self.head_dim)
+        k = k.view(b, t, self.n_kv, self.head_dim)
+        v = v.view(b, t, self.n_kv, self.head_dim)
         q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
         if ctx.cache is not None:
             ctx.cache.write(0, ctx.cache_index, k=k, v=v)
@@ -315,12 +327,14 @@ def load_drafter(
     dtype: torch.dtype = torch.float32,
     layer_id_convention: str | None = None,
     draft_config: str | Path | None = None,
+    inference: bool = False,
 ) -> Eagle3Drafter:
     """Load an EAGLE-3 drafter (config.json + model.safetensors, sharded safetensors or
     pytorch_model.bin) written by draftsman, SGLang/SpecForge, vLLM, SafeAILab/EAGLE or
     `speculators`, or a SpecForge training state (`draft_config`: its draft config json).
     `source_format` records which (draftsman.interop.sources). With `target`, validate against
-    it and bind to it."""
+    it and bind to it. inference: frozen, with q/k/v and gate/up each fused into one GEMM (names
+    and state_dict unchanged; not for training)."""
     from draftsman.interop.sources import resolve_drafter_source
 
     path = Path(path)
@@ -362,7 +376,13 @@ def load_drafter(
     if target is not None:
         model.bind_target(target)
     model.source_dir = path
-    return model.eval()
+    model = model.eval()
+    if inference:  # frozen, with q/k/v and gate/up fused (one GEMM each; names unchanged)
+        model.requires_grad_(False)
+        for module in model.modules():
+            if module is not model and hasattr(module, "fuse"):
+                module.fuse()
+    return model
 
 
 def _embedding_note(name: str, file: Path, load, target: TargetModel | None) -> str:

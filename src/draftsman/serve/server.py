@@ -40,7 +40,8 @@ def load_state(
     if drafter is not None:
         from draftsman.models.eagle3 import load_drafter
 
-        draft = load_drafter(drafter, target=model, device=device, dtype=model.lm_head.weight.dtype)
+        draft = load_drafter(drafter, target=model, device=device, dtype=model.lm_head.weight.dtype,
+                              inference=True)
     options["model_name"] = options.get("model_name") or Path(target).resolve().name
     return build_state(model, tokenizer, eos, draft, spec, **options)
 
