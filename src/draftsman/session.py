@@ -141,7 +141,10 @@ class DecodeSession(abc.ABC):
         `extra` slots written past it, rounded up to a power of two (>= 64; a handful of graph
         shapes over a row's life), at most the cache. Known on the host (prompt + emitted
         tokens), so sizing it costs no device sync, and attention reads ~the slots in use rather
-        than the whole cache (which at large batch would cost more than the weights)."""
+        than the whole cache (which at large batch would cost more than the weights). Compiled
+        sessions attend over the whole cache: each new span would recompile the forwards."""
+        if self.compile:  # one shape for the whole cache: a new span would mean a new compilation
+            return cache.max_len
         need = max(len(r.prompt) + len(r.state.tokens) for r in self.rows) + extra
         return min(cache.max_len, max(SPAN_MIN, 1 << (need - 1).bit_length()))
 
