@@ -71,10 +71,10 @@ class SpecSession(DecodeSession):
         """spec: the speculation shape of every round; or None with `policy`, which picks one of
         its candidates, or plain decoding, per round (spec/adaptive.py). compile: as for
         DecodeSession, for the drafter's forwards too."""
-        super().__init__(target, max_len, seed, compile)
-        self.d_fwd = compiled(drafter, "forward") if compile else drafter
         if (spec is None) == (policy is None):
             raise ValueError("give a SpecConfig, or spec=None and an AdaptivePolicy")
+        super().__init__(target, max_len, seed, compile)
+        self.d_fwd = compiled(drafter, "forward") if compile else drafter
         self.drafter, self.policy = drafter, policy
         self.shapes = [spec] if policy is None else list(policy.candidates)
         self.spec = self.shapes[0]  # the shape of the round being run
