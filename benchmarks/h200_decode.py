@@ -48,6 +48,11 @@ from draftsman.weights import build_empty
 GEOMETRIES = {"llama-3.1-8b": LLAMA_31_8B, "moonlight-16b-a3b": MOONLIGHT_16B_A3B}
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def cuda_time(fn, iters: int) -> float:
     """Seconds per call of fn, by CUDA events around `iters` calls (after one warm call)."""
     fn()
@@ -264,7 +269,8 @@ def round_costs(model, ctx_len: int, batches=(1,), rounds: int = 20, compile: bo
     from draftsman.session import PlainSession, Request
     from draftsman.spec.engine import SpecConfig, SpecSession
 
-    drafter = init_drafter(model, draft_vocab_size=32000, seed=0, dtype=torch.bfloat16)
+    vocab = model.config.vocab_size
+    drafter = init_drafter(model, draft_vocab_size=min(32000, vocab), seed=0, dtype=model.embed_tokens.weight.dtype)
     gen = torch.Generator().manual_seed(2)
     budget = 16 * (rounds + 4)
     max_len = ctx_len + budget + 1
@@ -274,14 +280,14 @@ def round_costs(model, ctx_len: int, batches=(1,), rounds: int = 20, compile: bo
             SpecConfig(steps=steps, topk=topk, draft_tokens=n))
     out: dict = {}
     for b in batches:
-        prompts = [torch.randint(0, 128000, (ctx_len,), generator=gen).tolist() for _ in range(b)]
+        prompts = [torch.randint(0, min(128000, vocab), (ctx_len,), generator=gen).tolist() for _ in range(b)]
         ms = {}
         for name, make in makers.items():
             session = make()
             session.add([Request(i, p, StopRules(max_new_tokens=budget)) for i, p in enumerate(prompts)])
             for _ in range(3):
                 session.step()
-            torch.cuda.synchronize()
+            sync()
             t = time.perf_counter()
             for _ in range(rounds):
                 session.step()
