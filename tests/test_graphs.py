@@ -176,3 +176,32 @@ def test_span_covers_the_longest_row_in_powers_of_two(pair):
     assert session.span(cache, 10_000) == cache.max_len
     session.cancel([0])
     assert session.span(session.caches[0], 1) == 64  # only the 10-token prompt left
+
+
+@pytest.mark.gpu
+@gpu
+def test_interleaved_adaptive_sessions_on_cuda_decode_like_plain():
+    """Two adaptive sessions stepping in turn on the GPU (as the server's sessions do), switching
+    between plain steps and both speculation shapes: every graph shares its module's memory
+    pool, and each session's state must survive the other's replays."""
+    from draftsman.session import Request
+    from draftsman.spec.adaptive import AdaptivePolicy
+
+    target_dir, drafter_dir = draftsman.reference_pair()
+    target = draftsman.load_target(target_dir, device="cuda")
+    drafter = draftsman.load_drafter(drafter_dir, target=target, device="cuda", inference=True)
+    greedy = SamplingParams(temperature=0.0)
+    rules = StopRules(max_new_tokens=48)
+    plain = [r.state.tokens for r in run_to_completion(PlainSession(target, 96), prompts(), rules, greedy)]
+    sessions = [SpecSession(target, drafter, None, 96, policy=AdaptivePolicy(SPECS, explore_every=3))
+                for _ in range(2)]
+    requests = [[Request(i, p, rules, greedy) for i, p in enumerate(prompts())] for _ in sessions]
+    for session, reqs in zip(sessions, requests, strict=True):
+        session.add(reqs)
+    while any(s.num_running for s in sessions):
+        for s in sessions:
+            s.step()
+    for reqs in requests:
+        assert [r.state.tokens for r in reqs] == plain
+    for module in (target, drafter):
+        assert not graph_table(module).failed

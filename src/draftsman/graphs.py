@@ -96,7 +96,9 @@ def signature(inputs: dict[str, Tensor], bound: Iterable[Tensor] = ()) -> tuple:
 class GraphTable:
     """Graphs of one module's steps, captured on first use of a key and replayed after; the least
     recently used is dropped beyond `max_graphs`. All share one memory pool (steps of a module
-    never run concurrently; each graph's outputs stay allocated while it is kept)."""
+    never run concurrently; each graph's outputs stay allocated while it is kept). A graph's
+    outputs may sit where a graph captured earlier keeps its scratch, so replaying that one
+    overwrites them: consume outputs before the next replay, or clone what must persist."""
 
     def __init__(self, max_graphs: int = 64) -> None:
         self.max_graphs = max_graphs

@@ -74,6 +74,7 @@ Output: a table, and with --json one JSON object as the last stdout line. Top-le
     finish_reasons      {reason: count}
     adaptive            spec-adaptive: [{batch_bucket, arm, round_ms, tau, rounds, chosen}],
                         what the policy measured per batch bucket and arm and what it settled on
+                        (its acceptance keys cover its speculative rounds only)
     weight_bytes_per_step, decode_step_ms, weight_bandwidth_gb_s, bandwidth_fraction
                         the roofline, on in-process plain arms
 --plot DIR writes acceptance_per_position.png (bars per speculative arm, first batch size)

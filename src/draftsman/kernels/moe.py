@@ -22,7 +22,7 @@ def _gate_up_kernel(x_ptr, tok_ptr, start_ptr, count_ptr, g_ptr, u_ptr, h_ptr,
                     stride_xn, stride_ge, stride_gi, stride_hp,
                     HIDDEN: tl.constexpr, INNER: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr):
-    e = tl.program_id(0)
+    e = tl.program_id(0).to(tl.int64)  # e * stride can pass 2**31 elements (large MoEs)
     ib = tl.program_id(1)
     tb = tl.program_id(2)
     count = tl.load(count_ptr + e)
@@ -54,7 +54,7 @@ def _down_kernel(h_ptr, start_ptr, count_ptr, d_ptr, y_ptr,
                  stride_hp, stride_de, stride_dh, stride_yp,
                  HIDDEN: tl.constexpr, INNER: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
-    e = tl.program_id(0)
+    e = tl.program_id(0).to(tl.int64)  # e * stride can pass 2**31 elements (large MoEs)
     hb = tl.program_id(1)
     tb = tl.program_id(2)
     count = tl.load(count_ptr + e)

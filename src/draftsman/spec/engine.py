@@ -168,7 +168,9 @@ class SpecSession(DecodeSession):
         else:
             tree = self._draft_tree(state)
             accept_len, emitted, *new = self._verify_and_accept(tree, state["n"])
-        st["n"], st["root"], st["d_logits"], st["d_hidden"] = new
+        # Graph outputs live in the table's shared pool, where a graph captured earlier may keep
+        # its scratch: state that outlives this round is copied out.
+        st["n"], st["root"], st["d_logits"], st["d_hidden"] = (x.clone() for x in new)
         lens, toks = accept_len.tolist(), emitted.tolist()  # the round's host sync
         self._count(lens, self.spec.draft_tokens - 1)
         events = self._emit(range(len(self.rows)), [t[: a + 1] for t, a in zip(toks, lens, strict=True)])
@@ -198,9 +200,8 @@ class SpecSession(DecodeSession):
         st["bk_count"] = (st["bk_count"] + 1).clamp(max=BACKLOG)
         st["n"], st["root"] = n + 1, nxt
         self._backlog = True
-        lens = [0] * len(self.rows)
-        self._count(lens, 0)
-        return self._emit(range(len(self.rows)), [[t] for t in nxt.tolist()]), lens
+        # Not counted in the requests' acceptance statistics: they describe speculative rounds.
+        return self._emit(range(len(self.rows)), [[t] for t in nxt.tolist()]), [0] * len(self.rows)
 
     def _catch_up(self) -> None:
         """Extend the drafter over the backlog's pairs (right-aligned: the last one sits at
@@ -231,8 +232,8 @@ class SpecSession(DecodeSession):
         if not self.static:
             return self._draft(**state)
         fn = lambda **kw: dataclasses.astuple(self._draft(**kw))  # noqa: E731
-        return VerifyTree(*self.run_step(self.drafter, ("draft", self.spec, self._d_span), fn, [self.caches[1]],
-                                         **state))
+        out = self.run_step(self.drafter, ("draft", self.spec, self._d_span), fn, [self.caches[1]], **state)
+        return VerifyTree(*(t.clone() for t in out))  # must survive the verify graph's replay
 
     def _draft(self, n: Tensor, root: Tensor, d_logits: Tensor, d_hidden: Tensor) -> VerifyTree:
         k, steps = self.spec.topk, self.spec.steps
