@@ -101,3 +101,23 @@ def test_grouped_prefill_same_output(target, kind, monkeypatch):
     together = run()
     monkeypatch.setattr(session_mod, "PREFILL_SCORES_BUDGET", 1)
     assert run() == together
+
+
+def test_rows_leave_and_join_in_place():
+    """Leaving rows are compacted within the cache's allocation and joining rows fill it, so the
+    buffers keep their address (CUDA graphs captured over them stay valid) until it is full."""
+    from draftsman.kvcache import StaticCache
+
+    cache = StaticCache.allocate({"k": (2,)}, 2, 3, 5, "cpu", torch.float32)
+    for b in range(3):
+        cache.buffers["k"][:, b] = b + 1.0
+    ptr = cache.buffers["k"].data_ptr()
+    cache.select_rows(torch.tensor([2, 0]))
+    assert cache.batch_size == 2 and cache.buffers["k"].data_ptr() == ptr
+    assert cache.buffers["k"][:, :, 0, 0].tolist() == [[3.0, 1.0], [3.0, 1.0]]
+    other = StaticCache.allocate({"k": (2,)}, 2, 1, 5, "cpu", torch.float32)
+    other.buffers["k"].fill_(9.0)
+    cache.append_rows(other)  # fits the allocation: same address
+    assert cache.buffers["k"].data_ptr() == ptr and cache.buffers["k"][:, :, 0, 0].tolist() == [[3.0, 1.0, 9.0]] * 2
+    cache.append_rows(other)  # outgrows it: a new allocation of 4 rows, rows kept
+    assert cache.capacity == 4 and cache.buffers["k"][:, :, 0, 0].tolist() == [[3.0, 1.0, 9.0, 9.0]] * 2

@@ -13,11 +13,16 @@ from torch import Tensor
 
 
 class StaticCache:
+    """`buffers[name]` is a view of the first `batch_size` rows of a larger `_base` allocation:
+    rows leave and join by copying within it, so the buffers keep their address (CUDA graphs
+    captured over them stay valid) unless joining rows outgrow the allocation."""
+
     def __init__(self, buffers: dict[str, Tensor]) -> None:
         shapes = {tuple(b.shape[:3]) for b in buffers.values()}
         if len(shapes) != 1:
             raise ValueError(f"cache buffers disagree on [layers, batch, slots]: {shapes}")
-        self.buffers = buffers
+        self._base = dict(buffers)
+        self.buffers = dict(buffers)
         self.num_layers, self.batch_size, self.max_len = shapes.pop()
 
     @classmethod
@@ -57,20 +62,35 @@ class StaticCache:
         for buf in self.buffers.values():
             buf[:, rows, dst] = buf[:, rows, src]
 
+    @property
+    def capacity(self) -> int:
+        return next(iter(self._base.values())).shape[1]
+
     def select_rows(self, rows: Tensor) -> None:
-        """Keep only the given batch rows (in that order): requests leaving a running batch."""
-        for name, buf in self.buffers.items():
-            self.buffers[name] = buf[:, rows].contiguous()
-        self.batch_size = int(rows.numel())
+        """Keep only the given batch rows (in that order), moved to the front in place: requests
+        leaving a running batch."""
+        k = int(rows.numel())
+        for name, base in self._base.items():
+            base[:, :k] = self.buffers[name][:, rows]  # gathered before written: overlap is safe
+            self.buffers[name] = base[:, :k]
+        self.batch_size = k
 
     def append_rows(self, other: StaticCache) -> None:
         """Add the rows of `other` (same layers and length) after this cache's rows: requests
-        joining a running batch."""
+        joining a running batch. The allocation grows (to a power of two) only when full."""
         if (other.num_layers, other.max_len) != (self.num_layers, self.max_len):
             raise ValueError("appended cache rows must have the same layers and max_len")
-        for name, buf in self.buffers.items():
-            self.buffers[name] = torch.cat([buf, other.buffers[name]], dim=1)
-        self.batch_size += other.batch_size
+        b, m = self.batch_size, other.batch_size
+        if b + m > self.capacity:
+            grown = 1 << (b + m - 1).bit_length()
+            for name, base in self._base.items():
+                new = base.new_empty(base.shape[0], grown, *base.shape[2:])
+                new[:, :b] = self.buffers[name]
+                self._base[name] = new
+        for name, base in self._base.items():
+            base[:, b : b + m] = other.buffers[name]
+            self.buffers[name] = base[:, : b + m]
+        self.batch_size = b + m
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())

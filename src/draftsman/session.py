@@ -152,8 +152,8 @@ class DecodeSession(abc.ABC):
                  **inputs: Tensor) -> Outputs:
         """fn(**inputs), replayed from a CUDA graph captured per (kind, input shapes, caches) when
         the session is graphed. fn must read nothing else that changes between calls."""
-        if not self.graphed:
-            return fn(**inputs)
+        if not self.graphed or not all(hasattr(c, "buffers") for c in caches):
+            return fn(**inputs)  # eager, also for pipelines over several GPUs (ShardedCache)
         key = (kind, *signature(inputs, [b for c in caches for b in c.buffers.values()]))
         return graph_table(module).run(key, fn, inputs)
 
@@ -192,6 +192,11 @@ class DecodeSession(abc.ABC):
 
     def _join(self, rows: list[Request], caches: list[StaticCache], tensors: dict[str, Tensor]) -> None:
         if not self.rows:
+            if self.caches:  # an emptied session keeps its allocations (and the graphs over them)
+                for mine, theirs in zip(self.caches, caches, strict=True):
+                    mine.select_rows(torch.zeros(0, dtype=torch.long, device=self.device))
+                    mine.append_rows(theirs)
+                caches = self.caches
             self.rows, self.caches, self.tensors = rows, caches, tensors
             return
         self.rows += rows
