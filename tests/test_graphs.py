@@ -52,6 +52,22 @@ def test_full_slot_mask_extends_the_default_mask():
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("spec", [None, *SPECS], ids=["plain", "chain", "tree"])
+def test_padded_batches_decode_the_same_tokens(pair, spec, temperature):
+    """Static steps on batches padded to a power of two (3 rows finishing at different times run
+    as 4, 2, 1) decode what unpadded dynamic-shape steps do."""
+    target, drafter = pair
+    params = SamplingParams(temperature=temperature, seed=7)
+    rules = StopRules(max_new_tokens=40, eos_ids=frozenset({1}))
+    outs = []
+    for static in (False, True):
+        session = new_session(target, drafter, spec, max_len=80, static=static, pad=static)
+        done = run_to_completion(session, prompts(), rules, params)
+        outs.append([r.state.tokens for r in done])
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("spec", [None, *SPECS], ids=["plain", "chain", "tree"])
 def test_static_masks_decode_the_same_tokens(pair, spec, temperature):
     """On CPU sessions size masks by the slots in use; on CUDA by the whole cache. Same output,
     same acceptance, same random stream."""

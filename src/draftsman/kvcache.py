@@ -8,6 +8,9 @@ its compressed latent and the rotated shared key (`kv_lora_rank + qk_rope_head_d
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor
 
@@ -75,18 +78,37 @@ class StaticCache:
             self.buffers[name] = base[:, :k]
         self.batch_size = k
 
+    def reserve(self, rows: int) -> None:
+        """Grow the allocation (to a power of two) to hold `rows` rows, keeping the live ones."""
+        if rows <= self.capacity:
+            return
+        grown = 1 << (rows - 1).bit_length()
+        b = self.batch_size
+        for name, base in self._base.items():
+            new = base.new_zeros(base.shape[0], grown, *base.shape[2:])
+            new[:, :b] = self.buffers[name]
+            self._base[name] = new
+            self.buffers[name] = new[:, :b]
+
+    @contextmanager
+    def padded(self, rows: int) -> Iterator[None]:
+        """Present `rows` >= batch_size rows for one step (the extra rows are scratch: a graph
+        captured for a padded batch serves every smaller batch in its bucket)."""
+        self.reserve(rows)
+        saved = self.buffers, self.batch_size
+        self.buffers, self.batch_size = {n: b[:, :rows] for n, b in self._base.items()}, rows
+        try:
+            yield
+        finally:
+            self.buffers, self.batch_size = saved
+
     def append_rows(self, other: StaticCache) -> None:
         """Add the rows of `other` (same layers and length) after this cache's rows: requests
         joining a running batch. The allocation grows (to a power of two) only when full."""
         if (other.num_layers, other.max_len) != (self.num_layers, self.max_len):
             raise ValueError("appended cache rows must have the same layers and max_len")
         b, m = self.batch_size, other.batch_size
-        if b + m > self.capacity:
-            grown = 1 << (b + m - 1).bit_length()
-            for name, base in self._base.items():
-                new = base.new_empty(base.shape[0], grown, *base.shape[2:])
-                new[:, :b] = self.buffers[name]
-                self._base[name] = new
+        self.reserve(b + m)
         for name, base in self._base.items():
             base[:, b : b + m] = other.buffers[name]
             self.buffers[name] = base[:, : b + m]

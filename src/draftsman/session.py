@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Hashable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import torch
@@ -75,6 +76,9 @@ class DecodeSession(abc.ABC):
         # the host (`span`: fixed shapes, no device sync) and is replayed from a CUDA graph.
         self.static = self.device.type == "cuda" or compile  # compiled steps need fixed shapes
         self.graphed = graphs_enabled(self.device)
+        # Static steps run on batches padded to a power of two (rows copied from row 0 into
+        # cache rows past the live ones), so a graph serves every batch size of its bucket.
+        self.pad = self.graphed
 
     # ---- public ------------------------------------------------------------------------
     @property
@@ -151,11 +155,25 @@ class DecodeSession(abc.ABC):
     def run_step(self, module: torch.nn.Module, kind: str, fn, caches: Sequence[StaticCache],
                  **inputs: Tensor) -> Outputs:
         """fn(**inputs), replayed from a CUDA graph captured per (kind, input shapes, caches) when
-        the session is graphed. fn must read nothing else that changes between calls."""
-        if not self.graphed or not all(hasattr(c, "buffers") for c in caches):
+        the session is graphed. Every input and output has one row per running request (dim 0).
+        fn must read nothing else that changes between calls."""
+        if not (self.graphed or self.pad) or not all(hasattr(c, "buffers") for c in caches):
             return fn(**inputs)  # eager, also for pipelines over several GPUs (ShardedCache)
-        key = (kind, *signature(inputs, [b for c in caches for b in c.buffers.values()]))
-        return graph_table(module).run(key, fn, inputs)
+        b = next(iter(inputs.values())).shape[0]
+        p = 1 << (b - 1).bit_length()  # batches run padded to a power of two: few graphs
+        if p != b:
+            inputs = {k: torch.cat([v, v[:1].expand(p - b, *v.shape[1:])]) for k, v in inputs.items()}
+        with ExitStack() as stack:
+            for c in caches:
+                stack.enter_context(c.padded(p))
+            if self.graphed:
+                key = (kind, *signature(inputs, [t for c in caches for t in c.buffers.values()]))
+                out = graph_table(module).run(key, fn, inputs)
+            else:
+                out = fn(**inputs)
+        if p == b:
+            return out
+        return tuple(o[:b] for o in out) if isinstance(out, tuple) else out[:b]
 
     def _sampling_tensors(self, params: Sequence[SamplingParams]) -> dict[str, Tensor]:
         return {
