@@ -31,7 +31,8 @@ from draftsman.models.layers import (
     SwiGLU,
     apply_rotary,
     attention,
-    fuse_linears,
+    fuse_qkv,
+    project_qkv,
     resolve_slots,
 )
 from draftsman.weights import (
@@ -59,18 +60,12 @@ class Eagle3Attention(nn.Module):
         self.scale = self.head_dim**-0.5
 
     def fuse(self) -> None:
-        """One GEMM for q, k and v (inference): see fuse_linears."""
-        fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
-        if fused is not None:  # a plain attribute: not a submodule, so never counted or saved twice
-            object.__setattr__(self, "qkv_proj", fused)
+        """One GEMM for q, k and v (inference; load_drafter(inference=True))."""
+        fuse_qkv(self)
 
     def forward(self, x: Tensor, ctx: AttnContext) -> Tensor:
         b, t, _ = x.shape
-        if hasattr(self, "qkv_proj"):
-            q, k, v = self.qkv_proj(x).split([self.n_heads * self.head_dim, self.n_kv * self.head_dim,
-                                              self.n_kv * self.head_dim], dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = project_qkv(self, x)
         q = q.view(b, t, self.n_heads, self.head_dim)
         k = k.view(b, t, self.n_kv, self.head_dim)
         v = v.view(b, t, self.n_kv, self.head_dim)

@@ -49,6 +49,22 @@ class SwiGLU(nn.Module):
             object.__setattr__(self, "gate_up_proj", fused)
 
 
+def project_qkv(attn: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v of an attention module with q_proj/k_proj/v_proj, through their fused qkv_proj
+    when `fuse_qkv` made one."""
+    if hasattr(attn, "qkv_proj"):
+        sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
+        return attn.qkv_proj(x).split(sizes, dim=-1)
+    return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+
+
+def fuse_qkv(attn: nn.Module) -> None:
+    """One GEMM for q, k and v (inference): see fuse_linears."""
+    fused = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+    if fused is not None:  # a plain attribute: not a submodule, so never counted or saved twice
+        object.__setattr__(attn, "qkv_proj", fused)
+
+
 def fuse_linears(linears: list[nn.Module]) -> nn.Linear | None:
     """A Linear computing cat([l(x) for l in linears], -1) in one GEMM, or None when they cannot
     be fused (not plain Linears, e.g. INT4-packed; trainable; different dtype/device; mixed

@@ -7,7 +7,15 @@ from torch import Tensor, nn
 
 from draftsman.config import TargetConfig
 from draftsman.models.base import AttnContext, TargetModel
-from draftsman.models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, attention, fuse_linears
+from draftsman.models.layers import (
+    RMSNorm,
+    Rotary,
+    SwiGLU,
+    apply_rotary,
+    attention,
+    fuse_qkv,
+    project_qkv,
+)
 from draftsman.weights import SKIP
 
 
@@ -28,11 +36,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: Tensor, ctx: AttnContext, layer: int) -> Tensor:
         b, t, _ = x.shape
-        if hasattr(self, "qkv_proj"):
-            q, k, v = self.qkv_proj(x).split([self.n_heads * self.head_dim, self.n_kv * self.head_dim,
-                                              self.n_kv * self.head_dim], dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = project_qkv(self, x)
         q = q.view(b, t, self.n_heads, self.head_dim)
         k = k.view(b, t, self.n_kv, self.head_dim)
         v = v.view(b, t, self.n_kv, self.head_dim)
@@ -46,12 +50,9 @@ class LlamaAttention(nn.Module):
         out = attention(q, k, v, ctx.mask, self.scale)
         return self.o_proj(out.reshape(b, t, -1))
 
-
     def fuse(self) -> None:
-        """One GEMM for q, k and v (inference): see fuse_linears."""
-        fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
-        if fused is not None:  # a plain attribute: not a submodule, so never counted or saved twice
-            object.__setattr__(self, "qkv_proj", fused)
+        """One GEMM for q, k and v (inference; TargetModel.fuse_projections)."""
+        fuse_qkv(self)
 
 
 class LlamaDecoderLayer(nn.Module):
