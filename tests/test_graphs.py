@@ -8,7 +8,7 @@ import torch
 
 import draftsman
 from draftsman.generate import StopRules
-from draftsman.graphs import CudaGraphRunner, GraphTable, full_slot_mask, graph_table, signature
+from draftsman.graphs import CudaGraphRunner, GraphTable, graph_table, signature
 from draftsman.models.layers import slot_mask
 from draftsman.sampling import SamplingParams
 from draftsman.session import PlainSession, run_to_completion
@@ -43,9 +43,10 @@ def decode(session, params, new=24):
     return [r.state.tokens for r in done], [r.histogram for r in done]
 
 
-def test_full_slot_mask_extends_the_default_mask():
+def test_a_longer_slot_mask_extends_the_default_mask():
+    """Static steps size masks by a span past the slots in use: the extra slots stay masked."""
     index = torch.tensor([[3, 4], [0, 1]])
-    full = full_slot_mask(index, 9)
+    full = slot_mask(index, 9)
     assert full.shape == (2, 2, 9)
     assert torch.equal(full[..., :5], slot_mask(index, 5)) and not full[..., 5:].any()
 

@@ -3,7 +3,7 @@
 A decode step of a large model is hundreds of small kernels; launched one by one from Python the
 GPU idles between them (host-bound). A graph replays the whole step from static input/output
 buffers, so the function captured must be free of host syncs and of shapes that depend on data:
-callers pass masks over the whole cache (`full_slot_mask`), never `int(n.max())`-sized ones.
+callers size masks from what the host knows (`DecodeSession.span`), never `int(n.max())`.
 """
 
 from __future__ import annotations
@@ -18,13 +18,6 @@ import torch
 from torch import Tensor
 
 Outputs = Tensor | tuple[Tensor, ...]
-
-
-def full_slot_mask(cache_index: Tensor, max_len: int) -> Tensor:
-    """[B, T, max_len] mask over every cache slot: a token written at slot s sees slots 0..s.
-    Same as the default mask, but its shape does not depend on the data."""
-    slots = torch.arange(max_len, device=cache_index.device)
-    return slots[None, None, :] <= cache_index[:, :, None]
 
 
 class CudaGraphRunner:

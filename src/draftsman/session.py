@@ -22,13 +22,13 @@ from draftsman.generate import RowState, StopRules, pad_prompts
 from draftsman.graphs import (
     Outputs,
     compiled,
-    full_slot_mask,
     graph_table,
     graphs_enabled,
     signature,
 )
 from draftsman.kvcache import StaticCache
 from draftsman.models.base import TargetModel
+from draftsman.models.layers import slot_mask
 from draftsman.sampling import SamplingParams, make_generator, sample, warp_probs
 
 
@@ -209,14 +209,11 @@ class DecodeSession(abc.ABC):
         return events
 
     def _join(self, rows: list[Request], caches: list[StaticCache], tensors: dict[str, Tensor]) -> None:
-        if not self.rows:
-            if self.caches:  # an emptied session keeps its allocations (and the graphs over them)
-                for mine, theirs in zip(self.caches, caches, strict=True):
-                    mine.select_rows(torch.zeros(0, dtype=torch.long, device=self.device))
-                    mine.append_rows(theirs)
-                caches = self.caches
+        if not self.caches:
             self.rows, self.caches, self.tensors = rows, caches, tensors
             return
+        # Rows join the existing caches, even when all earlier rows have left: their
+        # allocations (and the CUDA graphs captured over them) are kept.
         self.rows += rows
         for mine, theirs in zip(self.caches, caches, strict=True):
             mine.append_rows(theirs)
@@ -249,7 +246,6 @@ class PlainSession(DecodeSession):
         t["cur"], t["last"] = t["cur"] + 1, tok
         return self._emit(range(len(self.rows)), [[x] for x in tok.tolist()])  # one host sync
 
-
     def _decode(self, tokens: Tensor, positions: Tensor) -> Tensor:
         cache = self.caches[0]
         if not self.static:
@@ -259,7 +255,7 @@ class PlainSession(DecodeSession):
 
         def step(tokens: Tensor, positions: Tensor) -> Tensor:
             return self.t_run(tokens, cache=cache, positions=positions,
-                              attn_mask=full_slot_mask(positions, span)).logits
+                              attn_mask=slot_mask(positions, span)).logits
         return self.run_step(self.target, ("decode", span), step, [cache], tokens=tokens, positions=positions)
 
 

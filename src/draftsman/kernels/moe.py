@@ -18,21 +18,24 @@ from torch import Tensor
 
 
 @triton.jit
+def _expert_rows(start_ptr, count_ptr, e, tb, BLOCK_T: tl.constexpr):
+    """Block `tb` of expert `e`'s assignment rows (expert-sorted order): (rows, which are real,
+    whether the block holds any)."""
+    count = tl.load(count_ptr + e)
+    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    return tl.load(start_ptr + e) + t, t < count, tb * BLOCK_T < count
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, tok_ptr, start_ptr, count_ptr, g_ptr, u_ptr, h_ptr,
                     stride_xn, stride_ge, stride_gi, stride_hp,
                     HIDDEN: tl.constexpr, INNER: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr):
     e = tl.program_id(0).to(tl.int64)  # e * stride can pass 2**31 elements (large MoEs)
-    ib = tl.program_id(1)
-    tb = tl.program_id(2)
-    count = tl.load(count_ptr + e)
-    if tb * BLOCK_T < count:
-        start = tl.load(start_ptr + e)
-        t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-        t_ok = t < count
-        rows = start + t  # assignment rows in expert-sorted order
+    rows, t_ok, live = _expert_rows(start_ptr, count_ptr, e, tl.program_id(2), BLOCK_T)
+    if live:
         toks = tl.load(tok_ptr + rows, mask=t_ok, other=0)
-        i = ib * BLOCK_I + tl.arange(0, BLOCK_I)
+        i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         i_ok = i < INNER
         acc_g = tl.zeros((BLOCK_T, BLOCK_I), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_T, BLOCK_I), dtype=tl.float32)
@@ -55,15 +58,9 @@ def _down_kernel(h_ptr, start_ptr, count_ptr, d_ptr, y_ptr,
                  HIDDEN: tl.constexpr, INNER: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
     e = tl.program_id(0).to(tl.int64)  # e * stride can pass 2**31 elements (large MoEs)
-    hb = tl.program_id(1)
-    tb = tl.program_id(2)
-    count = tl.load(count_ptr + e)
-    if tb * BLOCK_T < count:
-        start = tl.load(start_ptr + e)
-        t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-        t_ok = t < count
-        rows = start + t
-        o = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    rows, t_ok, live = _expert_rows(start_ptr, count_ptr, e, tl.program_id(2), BLOCK_T)
+    if live:
+        o = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         o_ok = o < HIDDEN
         acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
         for k0 in range(0, INNER, BLOCK_K):

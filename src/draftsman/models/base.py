@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from draftsman.config import TargetConfig
 from draftsman.kvcache import StaticCache
-from draftsman.models.layers import RMSNorm, resolve_slots
+from draftsman.models.layers import RMSNorm, fuse_projections, resolve_slots
 
 
 @dataclass
@@ -75,9 +75,7 @@ class TargetModel(nn.Module, ABC):
         inference; parameter names, values and the state_dict are unchanged (the originals
         become views of the fused weights, which are not registered). Call it once the model
         sits on its final device: moving it afterwards would leave the fused weights behind."""
-        for module in self.modules():
-            if module is not self and hasattr(module, "fuse"):
-                module.fuse()
+        fuse_projections(self)
         return self
 
     # ---- forward ------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from draftsman.models.layers import (
     SwiGLU,
     apply_rotary,
     attention,
+    fuse_projections,
     fuse_qkv,
     project_qkv,
     resolve_slots,
@@ -373,10 +374,7 @@ def load_drafter(
     model.source_dir = path
     model = model.eval()
     if inference:  # frozen, with q/k/v and gate/up fused (one GEMM each; names unchanged)
-        model.requires_grad_(False)
-        for module in model.modules():
-            if module is not model and hasattr(module, "fuse"):
-                module.fuse()
+        fuse_projections(model.requires_grad_(False))
     return model
 
 

@@ -49,6 +49,14 @@ class SwiGLU(nn.Module):
             object.__setattr__(self, "gate_up_proj", fused)
 
 
+def fuse_projections(model: nn.Module) -> None:
+    """Fuse every submodule's same-input projections (its `fuse`: q/k/v, gate/up), for
+    inference; parameter names, values and the state_dict are unchanged."""
+    for module in model.modules():
+        if module is not model and hasattr(module, "fuse"):
+            module.fuse()
+
+
 def project_qkv(attn: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """q, k, v of an attention module with q_proj/k_proj/v_proj, through their fused qkv_proj
     when `fuse_qkv` made one."""
@@ -68,9 +76,8 @@ def fuse_qkv(attn: nn.Module) -> None:
 def fuse_linears(linears: list[nn.Module]) -> nn.Linear | None:
     """A Linear computing cat([l(x) for l in linears], -1) in one GEMM, or None when they cannot
     be fused (not plain Linears, e.g. INT4-packed; trainable; different dtype/device; mixed
-    biases). The
-    originals' parameters become views of the fused ones, so names, state_dict and memory stay
-    as they were. A decode step reads each weight once either way, but one wide GEMV uses the
+    biases). The originals' parameters become views of the fused ones, so names, state_dict
+    and memory stay as they were. A decode step reads each weight once either way, but one wide GEMV uses the
     memory bandwidth better than several narrow ones (measured on the H200: an 8 MB GEMV runs
     at ~38% of copy bandwidth, a 48 MB one at ~65%+)."""
     if not all(type(m) is nn.Linear for m in linears):

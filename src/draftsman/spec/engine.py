@@ -23,9 +23,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from draftsman.generate import GenerationOutput, StopRules
-from draftsman.graphs import compiled, full_slot_mask
+from draftsman.graphs import compiled
 from draftsman.kvcache import StaticCache
 from draftsman.models.base import TargetModel
+from draftsman.models.layers import slot_mask
 from draftsman.sampling import SamplingParams
 from draftsman.session import DecodeSession, Event, run_to_completion
 from draftsman.spec.tree import CandidatePool, VerifyTree, check_tree_args, select_tree
@@ -118,7 +119,7 @@ class SpecSession(DecodeSession):
         else:
             def step(tokens: Tensor, feats: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
                 return self.d_fwd(tokens, self.drafter.project(feats), positions, cache=d_cache,
-                                  cache_index=positions, attn_mask=full_slot_mask(positions, span))
+                                  cache_index=positions, attn_mask=slot_mask(positions, span))
             span = self._d_span
             inputs = {"tokens": tokens, "feats": aux if isinstance(aux, Tensor) else torch.cat(aux, -1),
                       "positions": positions}
@@ -150,8 +151,10 @@ class SpecSession(DecodeSession):
     def _set_spans(self, plain: bool = False) -> None:
         """The slots this round's static-shape steps attend over, target and drafter
         (DecodeSession.span): the verified tree (one node for a plain round) past the target's
-        rows; the drafter's scratch, its extension and any catch-up padding past its rows."""
+        rows; the drafter's scratch, its extension and any catch-up padding past its rows. None
+        without static shapes: masks then cover just the slots in use."""
         if not self.static:
+            self._t_span = self._d_span = None
             return
         c = self.spec
         self._t_span = self.span(self.caches[0], 1 if plain else c.draft_tokens)
@@ -229,8 +232,6 @@ class SpecSession(DecodeSession):
 
     def _draft_tree(self, state: dict[str, Tensor]) -> VerifyTree:
         """The draft phase alone (sampled rounds), graphed when static: it has no host sync."""
-        if not self.static:
-            return self._draft(**state)
         fn = lambda **kw: dataclasses.astuple(self._draft(**kw))  # noqa: E731
         out = self.run_step(self.drafter, ("draft", self.spec, self._d_span), fn, [self.caches[1]], **state)
         return VerifyTree(*(t.clone() for t in out))  # must survive the verify graph's replay
@@ -255,7 +256,7 @@ class SpecSession(DecodeSession):
             slots = n[:, None] + own
             f_anc = f_anc.clone()
             f_anc[:, :, (d - 1) * k : d * k] |= eye  # each frontier node is its own ancestor
-            mask = self._scratch_mask(n, f_anc, scratch, self._d_span if self.static else None)
+            mask = self._scratch_mask(n, f_anc, scratch, self._d_span)
             positions = (n + d - 1)[:, None].expand(bsz, k)
             logits, h = self.d_fwd(f_tokens, f_hidden, positions, cache=d_cache, cache_index=slots,
                                    attn_mask=mask)
@@ -288,7 +289,7 @@ class SpecSession(DecodeSession):
         m = tree.tokens.shape[1]
         return {"tokens": tree.tokens, "positions": n[:, None] + tree.depth,
                 "slots": n[:, None] + torch.arange(m, device=n.device),
-                "mask": self._scratch_mask(n, ancestor_mask(tree.parents), m, self._t_span if self.static else None)}
+                "mask": self._scratch_mask(n, ancestor_mask(tree.parents), m, self._t_span)}
 
     def _target_verify(self, tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor) -> tuple[Tensor, ...]:
         """One target forward over the tree, written at slots n + node: (logits, *aux states)."""
@@ -299,8 +300,6 @@ class SpecSession(DecodeSession):
     def _verify(self, tree: VerifyTree, n: Tensor) -> tuple[Tensor, ...]:
         """The tree's target forward, from a CUDA graph when static: (logits, *aux states)."""
         inputs = self._verify_inputs(tree, n)
-        if not self.static:
-            return self._target_verify(**inputs)
         return self.run_step(self.target, ("verify", self.aux_ids), self._target_verify, [self.caches[0]], **inputs)
 
     def _verify_and_accept(self, tree: VerifyTree, n: Tensor) -> tuple[Tensor, ...]:
