@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 from h200_json import update_h200_json  # benchmarks/ is on sys.path when run as a script
+from reference_pair import run_bench
 
 
 def main() -> None:
@@ -31,18 +30,9 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--h200-json")
     args = ap.parse_args()
-    from draftsman import reference_pair
-
-    target, drafter = reference_pair()
-    cmd = [sys.executable, "-m", "draftsman.cli", "bench", "--target", str(target), "--drafter", str(drafter),
-           "--dataset", args.dataset, "--num-prompts", str(args.num_prompts), "--max-new-tokens",
-           str(args.max_new_tokens), "--temperature", args.temperature, "--seed", "0", "--warmup", "2",
-           "--device", args.device, "--batch-sizes", args.batch_sizes, "--spec-steps", "5", "--spec-topk", "1,4",
-           "--spec-draft-tokens", "6,16", "--spec-adaptive", "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result, cmd = run_bench(["--dataset", args.dataset, "--num-prompts", str(args.num_prompts),
+                             "--max-new-tokens", str(args.max_new_tokens), "--temperature", args.temperature,
+                             "--device", args.device, "--batch-sizes", args.batch_sizes, "--spec-adaptive"])
     by_batch: dict = {}
     for a in result["arms"]:
         by_batch.setdefault(str(a["batch_size"]), {})[a["arm"]] = {

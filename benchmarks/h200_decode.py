@@ -40,9 +40,10 @@ from h200_json import update_h200_json
 
 from draftsman.bench import decode_weight_bytes
 from draftsman.config import parse_target_config
-from draftsman.graphs import CudaGraphRunner, compile_step, full_slot_mask
+from draftsman.graphs import CudaGraphRunner, compile_step
 from draftsman.models import build_target
 from draftsman.models.layers import attention as sdpa_attention
+from draftsman.models.layers import slot_mask
 from draftsman.weights import build_empty
 
 GEOMETRIES = {"llama-3.1-8b": LLAMA_31_8B, "moonlight-16b-a3b": MOONLIGHT_16B_A3B}
@@ -134,7 +135,7 @@ def decode_step_fn(model, cache, max_len: int):
     """One greedy decode step that feeds itself: reads token/pos, writes the next token and pos+1
     back into them (so replays chain with no host work)."""
     def step(token, pos):
-        mask = full_slot_mask(pos, max_len)
+        mask = slot_mask(pos, max_len)
         logits = model.run(token, positions=pos, cache=cache, cache_index=pos, attn_mask=mask).logits
         nxt = logits[:, -1].argmax(-1, keepdim=True)
         token.copy_(nxt)
@@ -220,7 +221,7 @@ def verify_costs(model, sizes, ctx_len: int, compiled: bool) -> dict:
     cache = model.new_cache(1, max_len)
 
     def fwd(tokens, slots):
-        mask = full_slot_mask(slots, max_len)
+        mask = slot_mask(slots, max_len)
         return model.run(tokens, positions=slots, cache=cache, cache_index=slots, attn_mask=mask).logits
     f = compile_step(fwd) if compiled else fwd
     out = {}
@@ -241,7 +242,7 @@ def draft_costs(model, sizes, ctx_len: int, compiled: bool) -> dict:
     hidden = torch.randn(1, 1, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
 
     def fwd(tokens, slots, hidden):
-        mask = full_slot_mask(slots, max_len)
+        mask = slot_mask(slots, max_len)
         logits, _ = drafter(tokens, hidden, slots, cache=cache, cache_index=slots, attn_mask=mask)
         return torch.log_softmax(logits.float(), -1).topk(4, dim=-1)
     f = compile_step(fwd) if compiled else fwd

@@ -22,24 +22,25 @@ from pathlib import Path
 SPECS = {"--spec-steps": "5", "--spec-topk": "1,4", "--spec-draft-tokens": "6,16"}
 
 
-def bench_once(args: argparse.Namespace, dataset: str, temperature: float) -> dict:
-    cmd = [sys.executable, "-m", "draftsman.cli", "bench", "--dataset", dataset,
-           "--num-prompts", str(args.num_prompts), "--max-new-tokens", str(args.max_new_tokens),
-           "--temperature", str(temperature), "--seed", "0", "--warmup", "2", "--device", args.device,
-           "--json"]
-    if args.target:
-        cmd += ["--target", args.target, "--drafter", args.drafter]
-    else:
+def run_bench(flags: list[str], target: str | None = None, drafter: str | None = None) -> tuple[dict, list[str]]:
+    """One `draftsman bench --json` run of these flags with the SPECS arms, seed 0 and 2 warm-up
+    requests, on the given pair (default: the embedded one): (its JSON, the command)."""
+    if target is None:
         from draftsman import reference_pair
 
-        target, drafter = reference_pair()
-        cmd += ["--target", str(target), "--drafter", str(drafter)]
-    for flag, value in SPECS.items():
-        cmd += [flag, value]
+        target, drafter = (str(p) for p in reference_pair())
+    cmd = [sys.executable, "-m", "draftsman.cli", "bench", "--target", target, "--drafter", drafter,
+           "--seed", "0", "--warmup", "2", *flags, *(x for kv in SPECS.items() for x in kv), "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1]), cmd
+
+
+def bench_once(args: argparse.Namespace, dataset: str, temperature: float) -> dict:
+    return run_bench(["--dataset", dataset, "--num-prompts", str(args.num_prompts), "--max-new-tokens",
+                      str(args.max_new_tokens), "--temperature", str(temperature), "--device", args.device],
+                     args.target, args.drafter)[0]
 
 
 def summarize(result: dict) -> list[dict]:
