@@ -261,11 +261,14 @@ ROUND_SPECS = {"chain6": (5, 1, 6), "tree16": (5, 4, 16), "tree32": (6, 6, 32), 
 def round_costs(model, ctx_len: int, batches=(1,), rounds: int = 20, compile: bool = False) -> dict:
     """ms of one engine step (plain: a decode step; spec: a whole round, draft + verify + accept +
     drafter extension, greedy so the round is one graph) with an 8B-shaped drafter, per batch
-    size. Timed by the host clock around `rounds` session.step() calls after 3 warm-up steps
-    (the first captures the graphs), each ending in the round's one host sync. Speculation's
-    break-even tau at a batch size is its round time over the plain step time. compile: the
-    sessions' torch.compile'd forwards (compiled during the warm-up steps)."""
+    size: the mean over `rounds` steady session.step() calls, each timed by the host clock and
+    ending in the round's one host sync. Steady: no graph was captured during the call (the
+    first call captures; so does the first one after a row outgrows its attention span), so
+    steps continue past captures until `rounds` steady ones are timed; `captures_skipped`
+    counts the others. Speculation's break-even tau at a batch size is its round time over the
+    plain step time. compile: the sessions' torch.compile'd forwards."""
     from draftsman.generate import StopRules
+    from draftsman.graphs import graph_table
     from draftsman.models.eagle3 import init_drafter
     from draftsman.session import PlainSession, Request
     from draftsman.spec.engine import SpecConfig, SpecSession
@@ -273,28 +276,44 @@ def round_costs(model, ctx_len: int, batches=(1,), rounds: int = 20, compile: bo
     vocab = model.config.vocab_size
     drafter = init_drafter(model, draft_vocab_size=min(32000, vocab), seed=0, dtype=model.embed_tokens.weight.dtype)
     gen = torch.Generator().manual_seed(2)
-    budget = 16 * (rounds + 4)
+    limit = 3 * rounds + 8  # steps per arm at most
+    budget = 8 * (limit + 1)
     max_len = ctx_len + budget + 1
     makers = {"plain": lambda: PlainSession(model, max_len, compile=compile)}
     for name, (steps, topk, n) in ROUND_SPECS.items():
         makers[name] = (lambda cfg: lambda: SpecSession(model, drafter, cfg, max_len, compile=compile))(
             SpecConfig(steps=steps, topk=topk, draft_tokens=n))
+
+    def captures() -> int:
+        return graph_table(model).captures + graph_table(drafter).captures
+
     out: dict = {}
     for b in batches:
         prompts = [torch.randint(0, min(128000, vocab), (ctx_len,), generator=gen).tolist() for _ in range(b)]
-        ms = {}
+        ms, skipped = {}, {}
         for name, make in makers.items():
             session = make()
             session.add([Request(i, p, StopRules(max_new_tokens=budget)) for i, p in enumerate(prompts)])
-            for _ in range(3):
+            times: list[float] = []
+            skipped[name] = -1  # the first step's capture is expected
+            for _ in range(limit):
+                before = captures()
+                sync()
+                t = time.perf_counter()
                 session.step()
-            sync()
-            t = time.perf_counter()
-            for _ in range(rounds):
-                session.step()
-            ms[name] = (time.perf_counter() - t) / rounds * 1e3
+                dt = time.perf_counter() - t
+                if captures() != before or (not times and skipped[name] < 0):
+                    skipped[name] += 1
+                    continue
+                times.append(dt)
+                if len(times) == rounds:
+                    break
+            if len(times) < rounds:
+                raise RuntimeError(f"{name}: only {len(times)} steady steps in {limit}")
+            ms[name] = sum(times) / len(times) * 1e3
             del session
-        out[str(b)] = {"ms": ms, "over_plain_step": {k: v / ms["plain"] for k, v in ms.items() if k != "plain"}}
+        out[str(b)] = {"ms": ms, "over_plain_step": {k: v / ms["plain"] for k, v in ms.items() if k != "plain"},
+                       "captures_skipped": skipped}
     single = out[str(batches[0])]
     return {"ms": single["ms"], "over_plain_step": single["over_plain_step"], "by_batch": out,
             "specs": ROUND_SPECS}
