@@ -11,6 +11,8 @@ Arms, all batch 1, greedy, one prompt of --prompt-len tokens then --new-tokens t
   graph_compiled    the same step through torch.compile, then captured
   *_math            a graph arm with attention as matmuls + softmax instead of SDPA
   *_autotune        a compiled arm in torch.compile's max-autotune-no-cudagraphs mode
+  *_cublas          a graph arm with every GEMV on cuBLAS (default: narrow batch-1 GEMVs on
+                    draftsman's Triton GEMV, as inference models run; layers.use_gemv)
 ms/token = (time for N tokens - time for 1 token) / (N - 1), so prefill is excluded.
 Floor: bytes of all weights / measured copy bandwidth (the issue's definition; `strict_floor_ms`
 counts only what a token must read: weights less the embedding table, plus its KV cache).
@@ -43,7 +45,7 @@ from draftsman.config import parse_target_config
 from draftsman.graphs import CudaGraphRunner, compile_step
 from draftsman.models import build_target
 from draftsman.models.layers import attention as sdpa_attention
-from draftsman.models.layers import slot_mask
+from draftsman.models.layers import slot_mask, use_gemv
 from draftsman.weights import build_empty
 
 GEOMETRIES = {"llama-3.1-8b": LLAMA_31_8B, "moonlight-16b-a3b": MOONLIGHT_16B_A3B}
@@ -399,14 +401,16 @@ def main() -> None:
                 elif arm.startswith(("graph_eager", "graph_compiled")):
                     import draftsman.models.llama as llama
 
-                    llama.attention = math_attention if arm.endswith("_math") else sdpa_attention
-                    if arm.endswith("_autotune"):  # Triton GEMM templates with fused epilogues
+                    llama.attention = math_attention if "_math" in arm else sdpa_attention
+                    use_gemv(model, "_cublas" not in arm)
+                    if "_autotune" in arm:  # Triton GEMM templates with fused epilogues
                         os.environ["DRAFTSMAN_COMPILE_MODE"] = "max-autotune-no-cudagraphs"
                     try:
                         r, _runner, _cache = graph_arm(model, prompt, args.new_tokens, "compiled" in arm,
                                                        args.profile)
                     finally:
                         llama.attention = sdpa_attention
+                        use_gemv(model, True)
                         os.environ.pop("DRAFTSMAN_COMPILE_MODE", None)
                     del _runner, _cache
                     if arm == "graph_compiled":

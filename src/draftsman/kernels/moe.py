@@ -30,7 +30,7 @@ def _expert_rows(start_ptr, count_ptr, e, tb, BLOCK_T: tl.constexpr):
 def _gate_up_kernel(x_ptr, tok_ptr, start_ptr, count_ptr, g_ptr, u_ptr, h_ptr,
                     stride_xn, stride_ge, stride_gi, stride_hp,
                     HIDDEN: tl.constexpr, INNER: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     e = tl.program_id(0).to(tl.int64)  # e * stride can pass 2**31 elements (large MoEs)
     rows, t_ok, live = _expert_rows(start_ptr, count_ptr, e, tl.program_id(2), BLOCK_T)
     if live:
@@ -45,8 +45,8 @@ def _gate_up_kernel(x_ptr, tok_ptr, start_ptr, count_ptr, g_ptr, u_ptr, h_ptr,
             xt = tl.load(x_ptr + toks[:, None] * stride_xn + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
             w_off = e * stride_ge + i[None, :] * stride_gi + k[:, None]  # [BLOCK_K, BLOCK_I]: Wᵀ tile
             w_ok = k_ok[:, None] & i_ok[None, :]
-            acc_g = tl.dot(xt, tl.load(g_ptr + w_off, mask=w_ok, other=0.0), acc_g)
-            acc_u = tl.dot(xt, tl.load(u_ptr + w_off, mask=w_ok, other=0.0), acc_u)
+            acc_g = tl.dot(xt, tl.load(g_ptr + w_off, mask=w_ok, other=0.0), acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(xt, tl.load(u_ptr + w_off, mask=w_ok, other=0.0), acc_u, input_precision=PRECISION)
         h = acc_g * tl.sigmoid(acc_g) * acc_u
         tl.store(h_ptr + rows[:, None] * stride_hp + i[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=t_ok[:, None] & i_ok[None, :])
@@ -56,7 +56,7 @@ def _gate_up_kernel(x_ptr, tok_ptr, start_ptr, count_ptr, g_ptr, u_ptr, h_ptr,
 def _down_kernel(h_ptr, start_ptr, count_ptr, d_ptr, y_ptr,
                  stride_hp, stride_de, stride_dh, stride_yp,
                  HIDDEN: tl.constexpr, INNER: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     e = tl.program_id(0).to(tl.int64)  # e * stride can pass 2**31 elements (large MoEs)
     rows, t_ok, live = _expert_rows(start_ptr, count_ptr, e, tl.program_id(2), BLOCK_T)
     if live:
@@ -69,7 +69,7 @@ def _down_kernel(h_ptr, start_ptr, count_ptr, d_ptr, y_ptr,
             ht = tl.load(h_ptr + rows[:, None] * stride_hp + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(d_ptr + e * stride_de + o[None, :] * stride_dh + k[:, None],
                         mask=k_ok[:, None] & o_ok[None, :], other=0.0)
-            acc = tl.dot(ht, w, acc)
+            acc = tl.dot(ht, w, acc, input_precision=PRECISION)
         tl.store(y_ptr + rows[:, None] * stride_yp + o[None, :], acc, mask=t_ok[:, None] & o_ok[None, :])
 
 
@@ -89,12 +89,14 @@ def moe_experts(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, up: Tenso
     p = flat.numel()
     h = torch.empty(p, inner, dtype=x.dtype, device=x.device)
     blocks = triton.cdiv(p, block_t)
+    # fp32 models get fp32 products (tl.dot would round fp32 inputs to TF32 on tensor cores)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
     _gate_up_kernel[(e, triton.cdiv(inner, block_n), blocks)](
         x, tokens, starts, counts, gate, up, h, x.stride(0), gate.stride(0), gate.stride(1), h.stride(0),
-        HIDDEN=hidden, INNER=inner, BLOCK_T=block_t, BLOCK_I=block_n, BLOCK_K=block_k)
+        HIDDEN=hidden, INNER=inner, BLOCK_T=block_t, BLOCK_I=block_n, BLOCK_K=block_k, PRECISION=precision)
     y = torch.empty(p, hidden, dtype=torch.float32, device=x.device)
     _down_kernel[(e, triton.cdiv(hidden, block_n), blocks)](
         h, starts, counts, down, y, h.stride(0), down.stride(0), down.stride(1), y.stride(0),
-        HIDDEN=hidden, INNER=inner, BLOCK_T=block_t, BLOCK_H=block_n, BLOCK_K=block_k)
+        HIDDEN=hidden, INNER=inner, BLOCK_T=block_t, BLOCK_H=block_n, BLOCK_K=block_k, PRECISION=precision)
     mixed = torch.empty_like(y).index_copy_(0, order, y).view(n, k, hidden)  # back to (token, slot) order
     return (mixed * weights[..., None].float()).sum(1).to(x.dtype)

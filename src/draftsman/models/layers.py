@@ -11,6 +11,37 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from draftsman.config import RopeConfig
+from draftsman.kernels import triton_available
+
+# Outputs at most this wide go to the Triton GEMV at batch 1: measured on the H200 for the 8B's
+# shapes (benchmarks/h200_gemv.py), it reads q/k/v, o and down weights at 0.81-0.95 of copy
+# bandwidth where cuBLAS reaches 0.63-0.90; for gate/up and lm_head cuBLAS is as fast or faster.
+GEMV_MAX_OUT = 8192
+
+
+class DecodeLinear(nn.Linear):
+    """An inference nn.Linear (same parameters and state_dict) whose one-row products on CUDA in
+    bf16/fp16 run draftsman's Triton GEMV (kernels/gemv.py) where that measured faster than
+    cuBLAS; everything else is F.linear."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if (x.is_cuda and x.numel() == self.in_features and self.bias is None and self.out_features <= GEMV_MAX_OUT
+                and x.dtype in (torch.bfloat16, torch.float16)):
+            from draftsman.kernels.gemv import gemv
+
+            return gemv(x.reshape(1, -1), self.weight).view(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.weight, self.bias)
+
+
+def use_gemv(model: nn.Module, on: bool = True) -> None:
+    """Route an inference model's batch-1 GEMVs to the Triton kernel (DecodeLinear), or back to
+    nn.Linear; only the class changes. No-op without Triton or for trainable weights."""
+    if on and not triton_available():
+        return
+    for m in list(model.modules()) + [getattr(m, a) for m in model.modules() for a in ("qkv_proj", "gate_up_proj")
+                                      if hasattr(m, a)]:
+        if type(m) in (nn.Linear, DecodeLinear) and not m.weight.requires_grad:
+            m.__class__ = DecodeLinear if on else nn.Linear
 
 
 class RMSNorm(nn.Module):
@@ -51,10 +82,12 @@ class SwiGLU(nn.Module):
 
 def fuse_projections(model: nn.Module) -> None:
     """Fuse every submodule's same-input projections (its `fuse`: q/k/v, gate/up), for
-    inference; parameter names, values and the state_dict are unchanged."""
+    inference, and route batch-1 GEMVs to the Triton kernel where it pays (use_gemv);
+    parameter names, values and the state_dict are unchanged."""
     for module in model.modules():
         if module is not model and hasattr(module, "fuse"):
             module.fuse()
+    use_gemv(model)
 
 
 def project_qkv(attn: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -80,7 +113,7 @@ def fuse_linears(linears: list[nn.Module]) -> nn.Linear | None:
     and memory stay as they were. A decode step reads each weight once either way, but one wide GEMV uses the
     memory bandwidth better than several narrow ones (measured on the H200: an 8 MB GEMV runs
     at ~38% of copy bandwidth, a 48 MB one at ~65%+)."""
-    if not all(type(m) is nn.Linear for m in linears):
+    if not all(type(m) in (nn.Linear, DecodeLinear) for m in linears):
         return None
     if any(p.requires_grad for m in linears for p in m.parameters()):
         return None  # trainable: gradients would reach the fused copy, not the parameters
