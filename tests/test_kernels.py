@@ -34,12 +34,15 @@ INTERPRETED = """
 import sys, torch
 sys.path.insert(0, {tests!r})
 from test_kernels import routed
-from draftsman.kernels.moe import moe_experts
+from draftsman.kernels.moe import moe_experts, moe_experts_gemv
 for n in (1, 5, 21):  # decode, a small verify, more assignments than one block
     experts, x, weights, ids = routed(n, e=12, k=3, hidden=48, inner=40, device="cpu")
-    got = moe_experts(x, weights, ids, experts.gate_proj, experts.up_proj, experts.down_proj,
-                      block_t=16, block_n=16, block_k=16)
-    torch.testing.assert_close(got, experts.grouped(x, weights, ids), rtol=1e-5, atol=1e-5)
+    w = (experts.gate_proj, experts.up_proj, experts.down_proj)
+    expected = experts.grouped(x, weights, ids)
+    torch.testing.assert_close(moe_experts(x, weights, ids, *w, block_t=16, block_n=16, block_k=16), expected,
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(moe_experts_gemv(x, weights, ids, *w, block_n=8, block_k=16), expected,
+                               rtol=1e-5, atol=1e-5)
 print("ok")
 """
 
@@ -64,6 +67,13 @@ def test_moe_kernel_matches_the_grouped_loop_on_cuda(n, dtype):
 
     experts, x, weights, ids = routed(n, e=64, k=6, hidden=256, inner=176, device="cuda", dtype=dtype)
     got = moe_experts(x, weights, ids, experts.gate_proj, experts.up_proj, experts.down_proj)
+    if n * 6 <= 16:  # the GEMV-style kernels ran: the grouped ones must agree with them
+        from draftsman.kernels.moe import moe_experts_gemv
+
+        grouped = moe_experts(torch.cat([x] * 3), weights.repeat(3, 1), ids.repeat(3, 1), experts.gate_proj,
+                              experts.up_proj, experts.down_proj)[:n]
+        torch.testing.assert_close(grouped, moe_experts_gemv(x, weights, ids, experts.gate_proj, experts.up_proj,
+                                                             experts.down_proj), rtol=2e-2, atol=2e-2)
     if dtype == torch.float32:  # fp32 products (no TF32): the loop's result up to summation order
         torch.testing.assert_close(got, experts.grouped(x, weights, ids), rtol=1e-4, atol=1e-4)
     else:  # bf16: both round differently; the kernel (fp32 accumulation) must be no further from fp32

@@ -7,6 +7,11 @@ time, so every chosen expert's weights are read once per block of its tokens and
 experts not at all (a decode step reads only the k experts it routes to). The grid covers the
 worst case (all assignments on one expert); programs past an expert's count exit at once. Each
 expert's output is accumulated in fp32 and rounded once, after mixing.
+
+With few assignments (decode: k per token) the block-of-tokens tiles would be mostly padding and
+each expert's weights feed a single row: there, one program per (assignment, BLOCK_N output
+rows) reads its rows of the chosen expert as a GEMV does (elementwise products, one reduction
+at the end), spreading each expert's read over many SMs.
 """
 
 from __future__ import annotations
@@ -73,10 +78,78 @@ def _down_kernel(h_ptr, start_ptr, count_ptr, d_ptr, y_ptr,
         tl.store(y_ptr + rows[:, None] * stride_yp + o[None, :], acc, mask=t_ok[:, None] & o_ok[None, :])
 
 
+@triton.jit
+def _gate_up_gemv_kernel(x_ptr, ids_ptr, g_ptr, u_ptr, h_ptr, stride_xn, stride_ge, stride_gi, stride_hp,
+                         SLOTS: tl.constexpr, HIDDEN: tl.constexpr, INNER: tl.constexpr,
+                         BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr):
+    a = tl.program_id(0)  # assignment a: token a // SLOTS, its (a % SLOTS)-th expert
+    e = tl.load(ids_ptr + a).to(tl.int64)
+    i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    i_ok = i < INNER
+    acc_g = tl.zeros((BLOCK_I, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_I, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < HIDDEN
+        xv = tl.load(x_ptr + (a // SLOTS) * stride_xn + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        off = e * stride_ge + i[:, None] * stride_gi + k[None, :]
+        ok = i_ok[:, None] & k_ok[None, :]
+        acc_g += tl.load(g_ptr + off, mask=ok, other=0.0).to(tl.float32) * xv
+        acc_u += tl.load(u_ptr + off, mask=ok, other=0.0).to(tl.float32) * xv
+    g = tl.sum(acc_g, axis=1)
+    h = g * tl.sigmoid(g) * tl.sum(acc_u, axis=1)
+    tl.store(h_ptr + a * stride_hp + i, h.to(h_ptr.dtype.element_ty), mask=i_ok)
+
+
+@triton.jit
+def _down_gemv_kernel(h_ptr, ids_ptr, d_ptr, y_ptr, stride_hp, stride_de, stride_dh, stride_yp,
+                      HIDDEN: tl.constexpr, INNER: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+    a = tl.program_id(0)
+    e = tl.load(ids_ptr + a).to(tl.int64)
+    o = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    o_ok = o < HIDDEN
+    acc = tl.zeros((BLOCK_H, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, INNER, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < INNER
+        hv = tl.load(h_ptr + a * stride_hp + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        w = tl.load(d_ptr + e * stride_de + o[:, None] * stride_dh + k[None, :], mask=o_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        acc += w.to(tl.float32) * hv
+    tl.store(y_ptr + a * stride_yp + o, tl.sum(acc, axis=1), mask=o_ok)
+
+
+# Assignments (tokens x k) up to which the GEMV-style kernels run (decode, small verifies).
+GEMV_ASSIGNMENTS = 16
+
+
+def moe_experts_gemv(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, up: Tensor, down: Tensor,
+                     block_n: int = 8, block_k: int = 512) -> Tensor:
+    """moe_experts for few assignments: each (token, expert) pair as two GEMVs over the chosen
+    expert's rows; same fp32 accumulation, rounding and mixing as moe_experts."""
+    n, hidden = x.shape
+    k = ids.shape[1]
+    inner = gate.shape[1]
+    x, gate, up, down = x.contiguous(), gate.contiguous(), up.contiguous(), down.contiguous()
+    flat = ids.flatten().contiguous()
+    p = flat.numel()
+    h = torch.empty(p, inner, dtype=x.dtype, device=x.device)
+    _gate_up_gemv_kernel[(p, triton.cdiv(inner, block_n))](
+        x, flat, gate, up, h, x.stride(0), gate.stride(0), gate.stride(1), h.stride(0),
+        SLOTS=k, HIDDEN=hidden, INNER=inner, BLOCK_I=block_n, BLOCK_K=block_k)
+    y = torch.empty(p, hidden, dtype=torch.float32, device=x.device)
+    _down_gemv_kernel[(p, triton.cdiv(hidden, block_n))](
+        h, flat, down, y, h.stride(0), down.stride(0), down.stride(1), y.stride(0),
+        HIDDEN=hidden, INNER=inner, BLOCK_H=block_n, BLOCK_K=block_k)
+    return (y.view(n, k, hidden) * weights[..., None].float()).sum(1).to(x.dtype)
+
+
 def moe_experts(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, up: Tensor, down: Tensor,
                 block_t: int = 16, block_n: int = 64, block_k: int = 64) -> Tensor:
     """sum_j weights[:, j] * expert_{ids[:, j]}(x): x [N, H], weights/ids [N, k], gate/up
     [E, I, H], down [E, H, I] (nn.Linear orientation) -> [N, H] in x's dtype."""
+    if ids.numel() <= GEMV_ASSIGNMENTS:
+        return moe_experts_gemv(x, weights, ids, gate, up, down)
     n, hidden = x.shape
     k = ids.shape[1]
     e, inner = gate.shape[0], gate.shape[1]
