@@ -3,6 +3,8 @@ against HF transformers `from_pretrained(..., device_map=...)`, same files, same
 
     python benchmarks/h200_load.py --out benchmarks/results/h200_load_8b.json
 
+Arms: draftsman (pinned, multi-threaded staging: weights.PinnedStager), draftsman_unstaged
+(DRAFTSMAN_STAGED_LOAD=0: tensor by tensor, safetensors reading straight to the device), HF.
 Writes a random bf16 checkpoint of the geometry (HF names, 5 GB shards + index, config.json)
 under --dir, then loads it with each loader in turn (--repeats rounds, alternating; the files
 were just written, so both read from a warm page cache: this measures deserialisation and the
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -118,8 +121,15 @@ def main() -> None:
             return auto.from_pretrained(path, dtype=torch.bfloat16).to(args.device)
 
     res["hf_mode"] = f"from_pretrained(..., device_map={args.device!r})"
+    def unstaged():  # tensor by tensor, each read by safetensors straight to the device
+        os.environ["DRAFTSMAN_STAGED_LOAD"] = "0"
+        try:
+            return load_target(path, device=args.device, dtype=torch.bfloat16)
+        finally:
+            os.environ.pop("DRAFTSMAN_STAGED_LOAD")
+
     arms = {"draftsman": lambda: load_target(path, device=args.device, dtype=torch.bfloat16),
-            "hf_from_pretrained": hf_load}
+            "draftsman_unstaged": unstaged, "hf_from_pretrained": hf_load}
     for _ in range(args.repeats):
         for arm, fn in arms.items():
             s = timed_load(fn, args.device)

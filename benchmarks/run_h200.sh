@@ -17,7 +17,7 @@ step() {  # step NAME SECONDS CMD...: run with a deadline, log rc and wall time
   echo "$name rc=$? $(( $(date +%s) - t ))s" | tee -a "$OUT/steps.txt"
 }
 # (only the files with GPU tests: the GPU machine has no server dependencies)
-step gpu_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_graphs.py tests/test_kernels.py
+step gpu_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_graphs.py tests/test_kernels.py tests/test_load_gpu.py
 step gemv 200 python3 benchmarks/h200_gemv.py --out "$OUT/gemv_8b.json"
 step rounds_8b 150 python3 benchmarks/h200_decode.py --arms rounds --batches 1,4,16,64 \
   --out "$OUT/rounds_8b.json" --h200-json "$H"

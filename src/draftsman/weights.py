@@ -1,11 +1,18 @@
 """Checkpoint loading: single or sharded safetensors (memory-mapped), or `pytorch_model.bin` read
 with `weights_only=True`; tensors go straight into the model's parameters on the target device
-and dtype, one tensor at a time. Errors name the file and tensor at fault."""
+and dtype. Errors name the file and tensor at fault.
+
+On CUDA, tensors are read on the host by several threads and copied to the GPU through pinned
+(page-locked) buffers, one per thread, asynchronously on the thread's own stream: a pageable
+source would make each copy synchronous and staged by the driver."""
 
 from __future__ import annotations
 
 import json
+import os
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,8 +76,10 @@ def _open_safetensors(path: Path, device: str):
         raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({e})") from None
 
 
-def iter_tensors(ckpt: CheckpointFiles, device: str = "cpu") -> Iterator[tuple[str, Path, Callable[[], Tensor]]]:
-    """Yield (name, file, loader) lazily; a loader reads one tensor from the memory-mapped file."""
+def iter_tensors(ckpt: CheckpointFiles, device: str = "cpu", before_close: Callable[[], None] | None = None
+                 ) -> Iterator[tuple[str, Path, Callable[[], Tensor]]]:
+    """Yield (name, file, loader) lazily; a loader reads one tensor from the memory-mapped file,
+    valid until that file is closed (after its last tensor; `before_close()` runs just before)."""
     if ckpt.kind == "bin":
         path = ckpt.files[0]
         try:
@@ -91,6 +100,8 @@ def iter_tensors(ckpt: CheckpointFiles, device: str = "cpu") -> Iterator[tuple[s
                         raise CheckpointError(f"{path}: tensor '{name}' cannot be read ({e})") from None
 
                 yield name, path, load
+            if before_close is not None:
+                before_close()
 
 
 def load_checkpoint_into(
@@ -100,36 +111,46 @@ def load_checkpoint_into(
     device: torch.device | str,
     dtype: torch.dtype,
     keep_dtype: tuple[str, ...] = (),
+    staged: bool | None = None,
 ) -> None:
     """Fill every parameter/buffer of `model` from the checkpoint in `directory`.
 
     Raises CheckpointError naming each missing tensor, unexpected tensor, or shape mismatch.
     Tensors whose target name ends with one of `keep_dtype` keep the model's dtype for them
-    (e.g. int64 `d2t`, bool `t2d`)."""
+    (e.g. int64 `d2t`, bool `t2d`). staged: copy to CUDA through pinned buffers from worker
+    threads (default on CUDA; DRAFTSMAN_STAGED_LOAD=0 turns it off), else tensor by tensor."""
     ckpt = find_checkpoint_files(directory)
     targets = dict(model.named_parameters()) | dict(model.named_buffers())
     loaded: dict[str, set[int | None]] = {}
     unexpected: list[str] = []
-    read_device = str(device) if torch.device(device).type == "cuda" else "cpu"
-    for name, path, load in iter_tensors(ckpt, read_device):
-        mapped = name_map(name)
-        if mapped == SKIP:
-            continue
-        if mapped is None or mapped[0] not in targets:
-            unexpected.append(f"{name} (in {path.name})")
-            continue
-        pname, index = mapped
-        dest = targets[pname] if index is None else targets[pname][index]
-        tensor = load()
-        if tuple(tensor.shape) != tuple(dest.shape):
-            raise CheckpointError(
-                f"{path}: tensor '{name}' has shape {list(tensor.shape)}, "
-                f"but the model expects {list(dest.shape)} for '{pname}'"
-                + ("" if index is None else f"[{index}]")
-            )
-        with torch.no_grad():
-            dest.copy_(tensor.to(device=dest.device, dtype=dest.dtype))
-        loaded.setdefault(pname, set()).add(index)
+    cuda = torch.device(device).type == "cuda"
+    if staged is None:
+        staged = cuda and ckpt.kind == "safetensors" and os.environ.get("DRAFTSMAN_STAGED_LOAD", "1") != "0"
+    stager = PinnedStager() if staged and cuda else None
+    read_device = str(device) if cuda and stager is None else "cpu"
+    try:  # a file's copies end before it is closed
+        for name, path, load in iter_tensors(ckpt, read_device, stager.wait if stager is not None else None):
+            mapped = name_map(name)
+            if mapped == SKIP:
+                continue
+            if mapped is None or mapped[0] not in targets:
+                unexpected.append(f"{name} (in {path.name})")
+                continue
+            pname, index = mapped
+            dest = targets[pname] if index is None else targets[pname][index]
+            where = f"{path}: tensor '{name}'"
+            expected = f"{list(dest.shape)} for '{pname}'" + ("" if index is None else f"[{index}]")
+            if stager is not None:
+                stager.submit(dest, load, where, expected)
+            else:
+                _fill(dest, load(), where, expected)
+            loaded.setdefault(pname, set()).add(index)
+    except BaseException:
+        if stager is not None:  # stop the copies still queued; the first error is the one to report
+            stager.pool.shutdown(cancel_futures=True)
+        raise
+    if stager is not None:
+        stager.close()
     if unexpected:
         raise CheckpointError(f"{directory}: unexpected tensors in checkpoint: {unexpected[:20]}"
                               + (f" and {len(unexpected) - 20} more" if len(unexpected) > 20 else ""))
@@ -137,6 +158,72 @@ def load_checkpoint_into(
     if missing:
         raise CheckpointError(f"{directory}: missing tensors in checkpoint: {missing[:20]}"
                               + (f" and {len(missing) - 20} more" if len(missing) > 20 else ""))
+
+
+def _fill(dest: Tensor, tensor: Tensor, where: str, expected: str) -> None:
+    if tuple(tensor.shape) != tuple(dest.shape):
+        raise CheckpointError(f"{where} has shape {list(tensor.shape)}, but the model expects {expected}")
+    with torch.no_grad():
+        dest.copy_(tensor.to(device=dest.device, dtype=dest.dtype))
+
+
+class PinnedStager:
+    """Host tensors to their CUDA destinations from `workers` threads, each with a pinned buffer
+    and a stream: read (safetensors, from the page cache or disk) -> copy into the pinned buffer
+    -> asynchronous host-to-device copy, the threads overlapping each other's stages. Tensors
+    larger than a buffer go in pieces; a dtype change happens on the GPU after the copy."""
+
+    def __init__(self, workers: int = 8, buffer_bytes: int = 1 << 27) -> None:
+        self.buffer_bytes = buffer_bytes
+        self.pool = ThreadPoolExecutor(max(1, min(workers, os.cpu_count() or 1)))
+        self.local = threading.local()
+        self.pending: list[Future] = []
+
+    def submit(self, dest: Tensor, load: Callable[[], Tensor], where: str, expected: str) -> None:
+        self.pending.append(self.pool.submit(self._copy, dest, load, where, expected))
+
+    def wait(self) -> None:
+        """Every submitted copy done (the first error re-raised)."""
+        pending, self.pending = self.pending, []
+        for f in pending:
+            f.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self.pool.shutdown()
+
+    def _copy(self, dest: Tensor, load: Callable[[], Tensor], where: str, expected: str) -> None:
+        try:
+            self._copy_unchecked(dest, load, where, expected)
+        except CheckpointError:
+            raise
+        except Exception as e:  # e.g. out of GPU or pinned memory: say which tensor
+            raise CheckpointError(f"{where}: copy to {dest.device} failed ({type(e).__name__}: {e})") from e
+
+    def _copy_unchecked(self, dest: Tensor, load: Callable[[], Tensor], where: str, expected: str) -> None:
+        src = load()
+        if tuple(src.shape) != tuple(dest.shape):
+            raise CheckpointError(f"{where} has shape {list(src.shape)}, but the model expects {expected}")
+        local = self.local
+        if not hasattr(local, "buffer"):
+            local.buffer = torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=True)
+            local.stream = torch.cuda.Stream(dest.device)
+        # Same dtype and layout: raw bytes straight into the destination; else via a GPU temporary.
+        direct = src.dtype == dest.dtype and dest.is_contiguous()
+        target = dest if direct else torch.empty(src.shape, dtype=src.dtype, device=dest.device)
+        src_bytes = src.contiguous().view(-1).view(torch.uint8)
+        out_bytes = target.view(-1).view(torch.uint8)
+        with torch.no_grad(), torch.cuda.stream(local.stream):
+            for start in range(0, src_bytes.numel(), self.buffer_bytes):
+                n = min(self.buffer_bytes, src_bytes.numel() - start)
+                local.stream.synchronize()  # the buffer's previous copy has left it
+                local.buffer[:n].copy_(src_bytes[start : start + n])
+                out_bytes[start : start + n].copy_(local.buffer[:n], non_blocking=True)
+            if not direct:
+                dest.copy_(target)
+        local.stream.synchronize()
 
 
 def _missing(model: nn.Module, targets: dict[str, Tensor], loaded: dict[str, set[int | None]]) -> list[str]:
