@@ -11,8 +11,10 @@ Arms, all batch 1, greedy, one prompt of --prompt-len tokens then --new-tokens t
   graph_compiled    the same step through torch.compile, then captured
   *_math            a graph arm with attention as matmuls + softmax instead of SDPA
   *_autotune        a compiled arm in torch.compile's max-autotune-no-cudagraphs mode
-  *_cublas          a graph arm with every GEMV on cuBLAS (default: narrow batch-1 GEMVs on
-                    draftsman's Triton GEMV, as inference models run; layers.use_gemv)
+  *_cublas          a graph arm with every GEMV on cuBLAS (default: batch-1 GEMVs on draftsman's
+                    Triton GEMV, as inference models run; layers.use_gemv)
+  *_unfused         Triton GEMVs, but without the fused decode layers (default for Llama: RMSNorm,
+                    SwiGLU and residual adds folded into the GEMVs; llama.FUSED_DECODE)
 ms/token = (time for N tokens - time for 1 token) / (N - 1), so prefill is excluded.
 Floor: bytes of all weights / measured copy bandwidth (the issue's definition; `strict_floor_ms`
 counts only what a token must read: weights less the embedding table, plus its KV cache).
@@ -407,6 +409,7 @@ def main() -> None:
 
                     llama.attention = math_attention if "_math" in arm else sdpa_attention
                     use_gemv(model, "_cublas" not in arm)
+                    llama.FUSED_DECODE = "_unfused" not in arm
                     if "_autotune" in arm:  # Triton GEMM templates with fused epilogues
                         os.environ["DRAFTSMAN_COMPILE_MODE"] = "max-autotune-no-cudagraphs"
                     try:
@@ -415,6 +418,7 @@ def main() -> None:
                     finally:
                         llama.attention = sdpa_attention
                         use_gemv(model, True)
+                        llama.FUSED_DECODE = True
                         os.environ.pop("DRAFTSMAN_COMPILE_MODE", None)
                     del _runner, _cache
                     if arm == "graph_compiled":

@@ -139,6 +139,52 @@ def test_gemv_matches_linear_interpreted():
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
+GEMV_FUSED_INTERPRETED = """
+import torch
+import torch.nn.functional as F
+from draftsman.kernels.gemv import gemv
+from draftsman.models.layers import RMSNorm
+g = torch.Generator().manual_seed(0)
+for m, n, k, split in ((1, 24, 64, 1), (3, 20, 72, 1), (1, 20, 72, 2), (3, 40, 96, 3)):
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    norm = RMSNorm(k, eps=1e-5).requires_grad_(False)
+    norm.weight.copy_(torch.randn(k, generator=g))
+    gate_up, residual = torch.randn(m, 2 * k, generator=g), torch.randn(m, n, generator=g)
+    blocks = dict(block_n=8, block_k=16, split_k=split, num_warps=1)
+    torch.testing.assert_close(gemv(x, w, norm_weight=norm.weight, eps=norm.eps, **blocks), F.linear(norm(x), w),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gemv(gate_up, w, swiglu=True, **blocks),
+                               F.linear(F.silu(gate_up[:, :k]) * gate_up[:, k:], w), rtol=1e-5, atol=1e-5)
+    if split == 1:
+        torch.testing.assert_close(gemv(x, w, residual=residual, **blocks), residual + F.linear(x, w),
+                                   rtol=1e-5, atol=1e-5)
+print("ok")
+"""
+
+
+def test_gemv_fusions_match_pytorch_interpreted():
+    """RMSNorm and SwiGLU prologues (with and without split K: the norm's sum of squares must
+    cover the whole row) and the residual epilogue, on even and ragged shapes."""
+    proc = subprocess.run([sys.executable, "-c", GEMV_FUSED_INTERPRETED], capture_output=True, text=True,
+                          timeout=600, env=os.environ | {"TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_gemv_refuses_fusions_it_cannot_do():
+    """Checked before launching, so no device or interpreter is needed."""
+    from draftsman.kernels.gemv import gemv
+
+    x, w = torch.randn(1, 64), torch.randn(8, 32)
+    with pytest.raises(ValueError, match="together"):
+        gemv(x, w, norm_weight=torch.ones(32), swiglu=True)
+    with pytest.raises(ValueError, match="split_k"):
+        gemv(x[:, :32], w, split_k=2, residual=torch.zeros(1, 8))
+    with pytest.raises(ValueError, match="does not fit"):
+        gemv(x, w)  # [gate | up] without swiglu
+    with pytest.raises(ValueError, match="norm_weight"):
+        gemv(x[:, :32], w, norm_weight=torch.ones(32, dtype=torch.float64))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("m", [1, 2, 4])
@@ -169,3 +215,66 @@ def test_decode_linear_runs_one_row_products_on_the_gemv():
     x1, x8 = (torch.randn(*s, device="cuda", dtype=torch.bfloat16) for s in ((1, 1, 512), (8, 512)))
     torch.testing.assert_close(lin(x1).float(), F.linear(x1.float(), lin.weight.float()), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lin(x8), F.linear(x8, lin.weight), rtol=0, atol=0)  # many rows: cuBLAS
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("fusion", ["norm", "swiglu", "residual"])
+def test_gemv_fusions_match_pytorch_on_cuda(m, fusion):
+    """bf16 against PyTorch's bf16 decode-layer ops (N ragged against the default blocks)."""
+    import torch.nn.functional as F
+
+    from draftsman.kernels.gemv import gemv
+    from draftsman.models.layers import RMSNorm
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k, n = 4096, 1000
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    if fusion == "norm":
+        norm = RMSNorm(k).to("cuda", torch.bfloat16).requires_grad_(False)
+        norm.weight.copy_(1 + 0.1 * torch.randn(k, device="cuda", generator=g))
+        got, expected = gemv(x, w, norm_weight=norm.weight, eps=norm.eps), F.linear(norm(x), w)
+    elif fusion == "swiglu":
+        gate_up = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16, generator=g)
+        got, expected = gemv(gate_up, w, swiglu=True), F.linear(F.silu(gate_up[:, :k]) * gate_up[:, k:], w)
+    else:
+        residual = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=g)
+        got, expected = gemv(x, w, residual=residual), residual + F.linear(x, w)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_decode_layers_match_the_unfused_ones():
+    """Batch-1 decode through LlamaDecoderLayer.decode_fused (GEMVs with RMSNorm, SwiGLU and
+    residual folded in) against the same model with every product on cuBLAS, in a session."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    from geometries import LLAMA_31_8B
+
+    from draftsman.config import parse_target_config
+    from draftsman.models import build_target
+    from draftsman.models.layers import use_gemv
+
+    raw = dict(LLAMA_31_8B, hidden_size=512, intermediate_size=1536, num_hidden_layers=3, num_attention_heads=8,
+               num_key_value_heads=2, head_dim=64, vocab_size=1000)
+    torch.manual_seed(0)
+    model = build_target(parse_target_config(raw)).to("cuda", torch.bfloat16).eval().requires_grad_(False)
+    model.fuse_projections()
+    assert model.layers[0].fused_decode(torch.zeros(1, 1, 512, device="cuda", dtype=torch.bfloat16))
+    ids = torch.randint(0, 1000, (1, 12), device="cuda")
+    logits = []
+    for on in (True, False):
+        use_gemv(model, on)
+        cache = model.new_cache(1, 16)
+        model.run(ids[:, :8], cache=cache)
+        steps = [model.run(ids[:, i : i + 1], positions=torch.tensor([[i]], device="cuda"), cache=cache,
+                           cache_index=torch.tensor([[i]], device="cuda")).logits for i in range(8, 12)]
+        logits.append(torch.cat(steps, 1).float())
+    fused, reference = logits
+    scale = reference.abs().max()
+    assert (fused - reference).abs().max() <= 0.03 * scale

@@ -3,11 +3,13 @@ untied embeddings, RoPE default/linear/llama3/yarn."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from draftsman.config import TargetConfig
 from draftsman.models.base import AttnContext, TargetModel
 from draftsman.models.layers import (
+    DecodeLinear,
     RMSNorm,
     Rotary,
     SwiGLU,
@@ -17,6 +19,10 @@ from draftsman.models.layers import (
     project_qkv,
 )
 from draftsman.weights import SKIP
+
+# Batch-1 decode layers as four fused GEMV kernels where they apply (LlamaDecoderLayer.fused_decode);
+# False: every op separately (benchmarks compare both).
+FUSED_DECODE = True
 
 
 class LlamaAttention(nn.Module):
@@ -35,8 +41,12 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim**-0.5
 
     def forward(self, x: Tensor, ctx: AttnContext, layer: int) -> Tensor:
-        b, t, _ = x.shape
-        q, k, v = project_qkv(self, x)
+        return self.o_proj(self.attend(*project_qkv(self, x), ctx, layer))
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttnContext, layer: int) -> Tensor:
+        """Attention over projected q/k/v [B, T, heads * head_dim] (rotary, cache write and read):
+        the input of o_proj, [B, T, n_heads * head_dim]."""
+        b, t, _ = q.shape
         q = q.view(b, t, self.n_heads, self.head_dim)
         k = k.view(b, t, self.n_kv, self.head_dim)
         v = v.view(b, t, self.n_kv, self.head_dim)
@@ -47,8 +57,7 @@ class LlamaAttention(nn.Module):
             ctx.cache.write(layer, ctx.cache_index, k=k, v=v)
             s = ctx.mask.shape[-1]
             k, v = ctx.cache.read(layer, "k", s), ctx.cache.read(layer, "v", s)
-        out = attention(q, k, v, ctx.mask, self.scale)
-        return self.o_proj(out.reshape(b, t, -1))
+        return attention(q, k, v, ctx.mask, self.scale).reshape(b, t, -1)
 
     def fuse(self) -> None:
         """One GEMM for q, k and v (inference; TargetModel.fuse_projections)."""
@@ -64,8 +73,33 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: Tensor, ctx: AttnContext, layer: int) -> Tensor:
+        if self.fused_decode(x):
+            return self.decode_fused(x, ctx, layer)
         x = x + self.self_attn(self.input_layernorm(x), ctx, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def fused_decode(self, x: Tensor) -> bool:
+        """One token of one sequence (a batch-1 decode step) of an inference model on CUDA whose
+        GEMVs run on the Triton kernel (layers.use_gemv), with fused, bias-free projections."""
+        attn, mlp = self.self_attn, self.mlp
+        return (FUSED_DECODE and x.numel() == x.shape[-1] and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+                and type(attn.o_proj) is DecodeLinear and hasattr(attn, "qkv_proj") and hasattr(mlp, "gate_up_proj")
+                and attn.qkv_proj.bias is None and attn.o_proj.bias is None and not hasattr(attn, "q_norm"))
+
+    def decode_fused(self, x: Tensor, ctx: AttnContext, layer: int) -> Tensor:
+        """forward() for fused_decode inputs in four GEMV kernels with the layer's small ops folded
+        in (same roundings): RMSNorm into the q/k/v and gate/up GEMVs, SiLU * up into the down
+        GEMV, the residual adds into the o and down GEMVs."""
+        from draftsman.kernels.gemv import gemv
+
+        attn, mlp, n1, n2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
+        h = x.view(1, -1)
+        qkv = gemv(h, attn.qkv_proj.weight, norm_weight=n1.weight, eps=n1.eps).view(*x.shape[:-1], -1)
+        sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
+        out = attn.attend(*qkv.split(sizes, dim=-1), ctx, layer)
+        h = gemv(out.view(1, -1), attn.o_proj.weight, residual=h)
+        gate_up = gemv(h, mlp.gate_up_proj.weight, norm_weight=n2.weight, eps=n2.eps)
+        return gemv(gate_up, mlp.down_proj.weight, swiglu=True, residual=h).view_as(x)
 
 
 class LlamaModel(TargetModel):
