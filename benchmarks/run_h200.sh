@@ -36,6 +36,7 @@ step rounds_8b_compiled 500 python3 benchmarks/h200_decode.py --arms rounds --co
 step decode_8b_autotune 500 python3 benchmarks/h200_decode.py --arms graph_compiled_autotune \
   --out "$OUT/decode_8b_autotune.json" --h200-json "$H"
 step load 200 python3 benchmarks/h200_load.py --out "$OUT/load_8b.json"
+step e2e 300 python3 benchmarks/h200_e2e.py --num-prompts 5 --out "$OUT/e2e.json"
 # one archive of the logs: a device call brings back at most 8 files
 (cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log)
 cat "$OUT/steps.txt" 2>/dev/null
