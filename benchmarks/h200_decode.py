@@ -323,8 +323,18 @@ def round_costs(model, ctx_len: int, batches=(1,), rounds: int = 20, compile: bo
         out[str(b)] = {"ms": ms, "over_plain_step": {k: v / ms["plain"] for k, v in ms.items() if k != "plain"},
                        "captures_skipped": skipped}
     single = out[str(batches[0])]
+    # Bytes bound at batch 1: a round runs `steps` drafter forwards (the extension over accepted
+    # tokens seeds depth 1; steps - 1 draft forwards) besides the verify, and each reads the
+    # drafter's layer and lm_head, while a step reads the target's weights less its embedding
+    # table. At equal bandwidth efficiency a round costs at least 1 + steps * ratio of a step
+    # (plus what the verify costs over a step: the issue measured 1.10x for bare matmuls).
+    step_bytes = decode_weight_bytes(model, 1)
+    draft_bytes = sum(p.numel() * p.element_size() for n, p in drafter.named_parameters()
+                      if not n.startswith(("fc.", "embed_tokens")))
+    ratio = draft_bytes / step_bytes
     return {"ms": single["ms"], "over_plain_step": single["over_plain_step"], "by_batch": out,
-            "specs": ROUND_SPECS}
+            "specs": ROUND_SPECS, "draft_forward_bytes_over_step": ratio,
+            "bytes_bound_over_step": {k: 1 + s * ratio for k, (s, _, _) in ROUND_SPECS.items()}}
 
 
 def h200_figures(res: dict) -> dict:
