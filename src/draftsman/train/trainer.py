@@ -20,6 +20,7 @@ directory and OUT/training_state/ holds the last training state.
 from __future__ import annotations
 
 import abc
+import atexit
 import dataclasses
 import json
 import math
@@ -131,7 +132,15 @@ def init_distributed(device: torch.device) -> DistInfo:
         return DistInfo()
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # Torn down before interpreter exit: a group left to it can abort the process after
+        # training is done (seen with gloo), which torchrun then reports as a failed run.
+        atexit.register(_destroy_group)
     return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _destroy_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def all_sum(x: Tensor, info: DistInfo) -> Tensor:
