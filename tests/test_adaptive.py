@@ -51,6 +51,16 @@ def test_policy_turns_speculation_off_where_it_loses():
     assert feed(policy, 1, {PLAIN: 1.0, CHAIN: 1.2, TREE: 1.6}, taus, 20)[6:] == [TREE] * 14
 
 
+def test_untimed_rounds_count_acceptance_not_cost():
+    """Rounds that captured a CUDA graph report no time: a capture must not make an arm look slow."""
+    policy = AdaptivePolicy([CHAIN], explore_every=1000, alpha=1.0)
+    feed(policy, 1, {PLAIN: 1.0, CHAIN: 1.0}, {PLAIN: 1, CHAIN: 3}, 4)
+    policy.observe(CHAIN, 1, None, [4])  # a capture round: acceptance counts, its 'cost' does not
+    e = policy.estimate(CHAIN, 1)
+    assert e.seconds == 1.0 and e.tau == 5.0
+    assert policy.choose(1) == CHAIN
+
+
 def test_policy_needs_a_margin_to_switch_and_re_measures_stale_arms():
     policy = AdaptivePolicy([CHAIN], explore_every=10, alpha=1.0)
     feed(policy, 1, {PLAIN: 1.0, CHAIN: 1.0}, {PLAIN: 1, CHAIN: 2}, 6)

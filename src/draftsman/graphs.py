@@ -93,7 +93,11 @@ class GraphTable:
     outputs may sit where a graph captured earlier keeps its scratch, so replaying that one
     overwrites them: consume outputs before the next replay, or clone what must persist."""
 
-    def __init__(self, max_graphs: int = 64) -> None:
+    def __init__(self, max_graphs: int = 256) -> None:
+        # Room for every (batch bucket x attention span) shape of several speculation arms (an
+        # adaptive session switches among them): an evicted graph is recaptured, at the cost of
+        # several rounds, the next time its shape comes up. Graphs share one pool, so more of
+        # them cost little memory beyond their outputs.
         self.max_graphs = max_graphs
         self.runners: OrderedDict[Hashable, CudaGraphRunner] = OrderedDict()
         self._pool: tuple | None = None

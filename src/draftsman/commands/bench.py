@@ -77,6 +77,8 @@ Output: a table, and with --json one JSON object as the last stdout line. Top-le
                         (its acceptance keys cover its speculative rounds only)
     weight_bytes_per_step, decode_step_ms, weight_bandwidth_gb_s, bandwidth_fraction
                         the roofline, on in-process plain arms
+    graph_captures      in-process: CUDA graphs the arm captured while timed (each costs
+                        several steps; 0 off CUDA, null in client mode)
 --plot DIR writes acceptance_per_position.png (bars per speculative arm, first batch size)
 and speedup_vs_batch_size.png (a line per speculative arm).
 """

@@ -4,8 +4,10 @@ actually cost and yield on this device, so speculation runs only where it wins.
 Throughput of an arm at a batch size is τ / round time (τ = tokens per row per round: 1 for plain
 decoding, 1 + accepted drafts for a speculation setting). Both are measured online: the session
 reports each round's wall time (every round ends in a host sync, so it is the real cost) and
-accepted lengths. Batch sizes are bucketed by powers of two. Every arm is tried in a bucket
-before the policy trusts it (the first round of an arm is not timed: it may capture CUDA graphs),
+accepted lengths; rounds that captured a CUDA graph report no time (a capture costs several
+rounds, once per shape, and would make an arm look slow for long after). Batch sizes are
+bucketed by powers of two. Every arm is tried in a bucket before the policy trusts it (the
+first round of an arm is not timed either: it may compile),
 the best arm is then kept unless another beats it by `switch_margin`, and every
 `explore_every` rounds the arm measured longest ago is tried again so estimates follow changes
 in the text (acceptance) or the load (cost).
@@ -82,16 +84,17 @@ class AdaptivePolicy:
         self.current[b] = current
         return current
 
-    def observe(self, arm: SpecConfig | None, batch: int, seconds: float, accepted: Sequence[int]) -> None:
-        """One round of `arm` over `batch` rows took `seconds` and accepted `accepted[i]` drafts
-        in row i (all 0 for plain rounds)."""
+    def observe(self, arm: SpecConfig | None, batch: int, seconds: float | None, accepted: Sequence[int]) -> None:
+        """One round of `arm` over `batch` rows took `seconds` (None: not representative, e.g. it
+        captured a CUDA graph) and accepted `accepted[i]` drafts in row i (all 0 for plain
+        rounds)."""
         e = self.estimate(arm, batch)
         e.rounds += 1
         e.last_seen = self.round
         tau = 1.0 + sum(accepted) / max(len(accepted), 1)
         e.tau = tau if e.tau is None else (1 - self.alpha) * e.tau + self.alpha * tau
-        if e.rounds == 1:
-            return  # may include graph capture or compilation
+        if e.rounds == 1 or seconds is None:
+            return  # the first may include compilation
         e.seconds = seconds if e.seconds is None else (1 - self.alpha) * e.seconds + self.alpha * seconds
 
     def summary(self) -> list[dict]:

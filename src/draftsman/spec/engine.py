@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from draftsman.generate import GenerationOutput, StopRules
-from draftsman.graphs import compiled
+from draftsman.graphs import compiled, graph_table
 from draftsman.kvcache import StaticCache
 from draftsman.models.base import TargetModel
 from draftsman.models.layers import slot_mask
@@ -135,6 +135,7 @@ class SpecSession(DecodeSession):
             return self._spec_round()[0]
         batch = len(self.rows)
         arm = self.policy.choose(batch)
+        captures = self._captures()
         start = time.perf_counter()
         if arm is None:
             self._set_spans(plain=True)
@@ -145,8 +146,13 @@ class SpecSession(DecodeSession):
             if self._backlog:
                 self._catch_up()
             events, accepted = self._spec_round()
-        self.policy.observe(arm, batch, time.perf_counter() - start, accepted)  # ends in a host sync
+        seconds = time.perf_counter() - start  # the round ended in a host sync: its real cost
+        self.policy.observe(arm, batch, None if self._captures() != captures else seconds, accepted)
         return events
+
+    def _captures(self) -> int:
+        """CUDA graphs captured so far for the target and drafter (a capture costs many rounds)."""
+        return graph_table(self.target).captures + graph_table(self.drafter).captures
 
     def _set_spans(self, plain: bool = False) -> None:
         """The slots this round's static-shape steps attend over, target and drafter
