@@ -352,6 +352,8 @@ def h200_figures(res: dict) -> dict:
     if "rounds" in arms:
         for name, ratio in arms["rounds"]["over_plain_step"].items():
             out[f"round_over_step_{tag}_{name}"] = ratio
+        for name, bound in arms["rounds"].get("bytes_bound_over_step", {}).items():
+            out[f"round_bytes_bound_{tag}_{name}"] = bound
     return out
 
 
