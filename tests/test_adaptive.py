@@ -38,17 +38,17 @@ def test_policy_measures_every_arm_then_keeps_the_fastest():
     costs = {PLAIN: 1.0, CHAIN: 1.5, TREE: 2.0}
     taus = {PLAIN: 1, CHAIN: 3, TREE: 5}  # tokens/s: 1, 2, 2.5
     chosen = feed(policy, 1, costs, taus, 30)
-    assert set(chosen[:6]) == {PLAIN, CHAIN, TREE}  # two rounds each: the first is not timed
-    assert chosen[6:] == [TREE] * 24
+    assert set(chosen[:3]) == {PLAIN, CHAIN, TREE}  # one timed round each
+    assert chosen[3:] == [TREE] * 27
 
 
 def test_policy_turns_speculation_off_where_it_loses():
     policy = AdaptivePolicy([CHAIN, TREE], explore_every=1000)
     costs = {PLAIN: 1.0, CHAIN: 3.5, TREE: 6.0}  # large batch: rounds cost far more than a step
     taus = {PLAIN: 1, CHAIN: 3, TREE: 5}
-    assert feed(policy, 64, costs, taus, 20)[6:] == [PLAIN] * 14
+    assert feed(policy, 64, costs, taus, 20)[3:] == [PLAIN] * 17
     # ... per batch bucket: at batch 1 the same policy still speculates
-    assert feed(policy, 1, {PLAIN: 1.0, CHAIN: 1.2, TREE: 1.6}, taus, 20)[6:] == [TREE] * 14
+    assert feed(policy, 1, {PLAIN: 1.0, CHAIN: 1.2, TREE: 1.6}, taus, 20)[3:] == [TREE] * 17
 
 
 def test_untimed_rounds_count_acceptance_not_cost():
@@ -56,9 +56,19 @@ def test_untimed_rounds_count_acceptance_not_cost():
     policy = AdaptivePolicy([CHAIN], explore_every=1000, alpha=1.0)
     feed(policy, 1, {PLAIN: 1.0, CHAIN: 1.0}, {PLAIN: 1, CHAIN: 3}, 4)
     policy.observe(CHAIN, 1, None, [4])  # a capture round: acceptance counts, its 'cost' does not
-    e = policy.estimate(CHAIN, 1)
-    assert e.seconds == 1.0 and e.tau == 5.0
+    assert policy.estimate(CHAIN, 1).seconds == 1.0 and policy.taus[CHAIN] == 5.0
     assert policy.choose(1) == CHAIN
+
+
+def test_acceptance_carries_across_batch_buckets():
+    """τ is a property of the text and drafter, one estimate per arm: acceptance seen at batch 16
+    moves the choice at batch 1, while round times stay per bucket."""
+    policy = AdaptivePolicy([CHAIN], explore_every=1000, alpha=1.0)
+    feed(policy, 1, {PLAIN: 1.0, CHAIN: 1.2}, {PLAIN: 1, CHAIN: 3}, 3)
+    assert policy.choose(1) == CHAIN and policy.rate(CHAIN, 16) is None  # not timed at 16 yet
+    policy.observe(CHAIN, 16, 5.0, [0] * 16)  # the text turned hard: nothing accepted
+    assert policy.taus[CHAIN] == 1.0 and policy.estimate(CHAIN, 1).seconds == 1.2
+    assert policy.choose(1) == PLAIN
 
 
 def test_policy_needs_a_margin_to_switch_and_re_measures_stale_arms():

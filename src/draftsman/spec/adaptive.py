@@ -4,13 +4,14 @@ actually cost and yield on this device, so speculation runs only where it wins.
 Throughput of an arm at a batch size is τ / round time (τ = tokens per row per round: 1 for plain
 decoding, 1 + accepted drafts for a speculation setting). Both are measured online: the session
 reports each round's wall time (every round ends in a host sync, so it is the real cost) and
-accepted lengths; rounds that captured a CUDA graph report no time (a capture costs several
-rounds, once per shape, and would make an arm look slow for long after). Batch sizes are
-bucketed by powers of two. Every arm is tried in a bucket before the policy trusts it (the
-first round of an arm is not timed either: it may compile),
-the best arm is then kept unless another beats it by `switch_margin`, and every
-`explore_every` rounds the arm measured longest ago is tried again so estimates follow changes
-in the text (acceptance) or the load (cost).
+accepted lengths. Round time depends on the batch, so it is kept per batch bucket (powers of
+two); τ depends on the text and the drafter, not on the batch, so it is kept per arm, across
+buckets, and an arm tried in one bucket needs no new acceptance estimate in the next. Rounds
+that captured a CUDA graph (or compiled) report no time: a capture costs several rounds, once
+per shape, and would make an arm look slow for long after. Every arm is timed once in a bucket
+before the policy trusts it; the best arm is then kept unless another beats it by
+`switch_margin`, and every `explore_every` rounds the arm timed longest ago is tried again so
+estimates follow changes in the text (acceptance) or the load (cost).
 """
 
 from __future__ import annotations
@@ -30,17 +31,11 @@ def bucket(batch: int) -> int:
 
 @dataclass
 class Estimate:
-    """Running (exponential) means of one arm in one batch bucket."""
+    """Running (exponential) mean round time of one arm in one batch bucket."""
 
     seconds: float | None = None  # per round
-    tau: float | None = None  # tokens per row per round
-    rounds: int = 0  # rounds observed (the first is not timed)
+    rounds: int = 0  # rounds observed, timed or not
     last_seen: int = -1  # policy round counter at the last observation
-
-    def rate(self) -> float | None:
-        if self.seconds is None or self.tau is None:
-            return None
-        return self.tau / self.seconds
 
 
 @dataclass
@@ -52,6 +47,7 @@ class AdaptivePolicy:
     switch_margin: float = 0.03  # another arm must beat the current one by this fraction
     explore_every: int = 64  # rounds between re-measurements of the stalest arm
     estimates: dict[tuple[int, Hashable], Estimate] = field(default_factory=dict)
+    taus: dict[Hashable, float] = field(default_factory=dict)  # tokens per row per round, per arm
     current: dict[int, SpecConfig | None] = field(default_factory=dict)  # chosen arm per bucket
     round: int = 0
 
@@ -67,19 +63,24 @@ class AdaptivePolicy:
     def estimate(self, arm: SpecConfig | None, batch: int) -> Estimate:
         return self.estimates.setdefault((bucket(batch), arm), Estimate())
 
+    def rate(self, arm: SpecConfig | None, batch: int) -> float | None:
+        """Measured tokens per second per row of `arm` at this batch size, or None."""
+        seconds, tau = self.estimate(arm, batch).seconds, 1.0 if arm is PLAIN else self.taus.get(arm)
+        return None if seconds is None or tau is None else tau / seconds
+
     def choose(self, batch: int) -> SpecConfig | None:
         """The arm to run next at this batch size."""
         self.round += 1
-        ests = {arm: self.estimate(arm, batch) for arm in self.arms}
-        untried = [arm for arm, e in ests.items() if e.rate() is None]
-        if untried:  # measure every arm (twice: the first round is not timed) before choosing
+        rates = {arm: self.rate(arm, batch) for arm in self.arms}
+        untried = [arm for arm, r in rates.items() if r is None]
+        if untried:  # time every arm in this bucket before choosing
             return untried[0]
         b = bucket(batch)
         if self.round % self.explore_every == 0:
-            return min(ests, key=lambda arm: ests[arm].last_seen)
-        best = max(ests, key=lambda arm: ests[arm].rate())
+            return min(rates, key=lambda arm: self.estimate(arm, batch).last_seen)
+        best = max(rates, key=lambda arm: rates[arm])
         current = self.current.get(b, best)
-        if ests[best].rate() > ests[current].rate() * (1 + self.switch_margin):
+        if rates[best] > rates[current] * (1 + self.switch_margin):
             current = best
         self.current[b] = current
         return current
@@ -91,18 +92,18 @@ class AdaptivePolicy:
         e = self.estimate(arm, batch)
         e.rounds += 1
         e.last_seen = self.round
-        tau = 1.0 + sum(accepted) / max(len(accepted), 1)
-        e.tau = tau if e.tau is None else (1 - self.alpha) * e.tau + self.alpha * tau
-        if e.rounds == 1 or seconds is None:
-            return  # the first may include compilation
-        e.seconds = seconds if e.seconds is None else (1 - self.alpha) * e.seconds + self.alpha * seconds
+        if arm is not PLAIN:
+            tau, old = 1.0 + sum(accepted) / max(len(accepted), 1), self.taus.get(arm)
+            self.taus[arm] = tau if old is None else (1 - self.alpha) * old + self.alpha * tau
+        if seconds is not None:
+            e.seconds = seconds if e.seconds is None else (1 - self.alpha) * e.seconds + self.alpha * seconds
 
     def summary(self) -> list[dict]:
         """Per (bucket, arm): round time, τ and tokens per second per row, for reports."""
         out = []
         for (b, arm), e in sorted(self.estimates.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
             out.append({"batch_bucket": b, "arm": arm_label(arm), "round_ms": None if e.seconds is None
-                        else e.seconds * 1e3, "tau": e.tau, "rounds": e.rounds,
+                        else e.seconds * 1e3, "tau": 1.0 if arm is PLAIN else self.taus.get(arm), "rounds": e.rounds,
                         "chosen": self.current.get(b, "?") == arm})
         return out
 

@@ -82,6 +82,7 @@ class SpecSession(DecodeSession):
         self.max_steps = max(c.steps for c in self.shapes)
         self.aux_ids = tuple(drafter.aux_layer_ids)
         self._backlog = False  # plain rounds ran since the drafter last caught up
+        self._compiled_shapes: set = set()  # (arm, batch bucket) rounds run so far, with compile
 
     # ---- prefill ------------------------------------------------------------------------
     def _prefill(self, ids, lengths, sampling):
@@ -135,6 +136,9 @@ class SpecSession(DecodeSession):
             return self._spec_round()[0]
         batch = len(self.rows)
         arm = self.policy.choose(batch)
+        shape = (arm, 1 << max(batch - 1, 0).bit_length())  # compiled forwards specialize on this
+        compiling = self.compile and shape not in self._compiled_shapes
+        self._compiled_shapes.add(shape)
         captures = self._captures()
         start = time.perf_counter()
         if arm is None:
@@ -147,7 +151,8 @@ class SpecSession(DecodeSession):
                 self._catch_up()
             events, accepted = self._spec_round()
         seconds = time.perf_counter() - start  # the round ended in a host sync: its real cost
-        self.policy.observe(arm, batch, None if self._captures() != captures else seconds, accepted)
+        untimed = compiling or self._captures() != captures  # one-off costs, not the arm's
+        self.policy.observe(arm, batch, None if untimed else seconds, accepted)
         return events
 
     def _captures(self) -> int:
