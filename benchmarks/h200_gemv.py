@@ -30,6 +30,12 @@ SHAPES = {"qkv": (6144, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INNER, H
           "lm_head": (VOCAB, HIDDEN)}
 CONFIGS = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s)
            for bn, bk, w, s in itertools.product((4, 8, 16), (256, 512, 1024), (4, 8), (2, 4))]
+# The fused decode layer's GEMVs (llama.LlamaDecoderLayer.decode_fused): RMSNorm prologue on q/k/v
+# and gate/up, residual epilogue on o, SwiGLU prologue + residual epilogue on down. Their
+# prologue work is repeated by every program, so wider BLOCK_N (fewer programs) may pay.
+FUSED = {"qkv": ("norm",), "o": ("residual",), "gate_up": ("norm",), "down": ("swiglu", "residual")}
+FUSED_CONFIGS = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s)
+                 for bn, bk, w, s in itertools.product((8, 16, 32), (512, 1024), (4, 8), (2, 4))]
 
 
 def graph_of(calls) -> torch.cuda.CUDAGraph:
@@ -53,6 +59,48 @@ def split_for(n: int, block_n: int, sms: int) -> int:
     """K splits so the grid has >= 2 programs per SM."""
     programs = -(-n // block_n)
     return 1 if programs >= 2 * sms else min(8, -(-2 * sms // programs))
+
+
+def fused_inputs(gen: torch.Generator) -> dict:
+    """Per fused shape: the GEMV's input row and its fusion arguments."""
+    out = {}
+    for name, kinds in FUSED.items():
+        n, k = SHAPES[name]
+        x = torch.randn(1, 2 * k if "swiglu" in kinds else k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        kw: dict = {}
+        if "norm" in kinds:
+            kw["norm_weight"] = 1 + 0.1 * torch.randn(k, device="cuda", generator=gen).to(torch.bfloat16)
+        if "swiglu" in kinds:
+            kw["swiglu"] = True
+        if "residual" in kinds:
+            kw["residual"] = torch.randn(1, n, device="cuda", dtype=torch.bfloat16, generator=gen)
+        out[name] = {"x": x, "kw": kw}
+    return out
+
+
+def sweep_fused(gen: torch.Generator, bw: float, res: dict) -> dict:
+    """Time the fused GEMVs over FUSED_CONFIGS (weight copies as for the plain sweep)."""
+    inputs, best = fused_inputs(gen), {}
+    for name, spec in inputs.items():
+        n, k = SHAPES[name]
+        nbytes = n * k * 2
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+              for _ in range(max(2, -(-(1 << 30) // nbytes)))]
+        trials = []
+        for cfg in FUSED_CONFIGS:
+            try:
+                t = time_calls([lambda w=w, c=cfg, spec=spec: gemv(spec["x"], w, **spec["kw"], **c) for w in ws])
+            except Exception as e:  # e.g. out of registers for a wide config
+                trials.append(cfg | {"error": repr(e)[:200]})
+                continue
+            trials.append(cfg | {"us": t * 1e6, "fraction_of_copy_bw": nbytes / t / bw})
+        ok = sorted((tr for tr in trials if "us" in tr), key=lambda tr: tr["us"])
+        best[name] = ok[0] if ok else None
+        res["shapes"][name]["fused"] = {"fusions": list(FUSED[name]), "best": best[name], "trials": ok[:5],
+                                        "failed": [tr for tr in trials if "error" in tr][:3]}
+        print(name, "fused", best[name], flush=True)
+        del ws
+    return best
 
 
 def main() -> None:
@@ -95,6 +143,10 @@ def main() -> None:
         res["shapes"][name] = row
         print(name, {"cublas": row["cublas"], "triton": row["triton_best"]}, flush=True)
         del ws
+    try:
+        fused_best = sweep_fused(gen, bw, res)
+    except Exception as e:  # keep the plain sweep and chain; say what broke
+        res["fused_error"], fused_best = repr(e)[:2000], {}
     # The step's whole matmul chain, every weight once (16 GB): cuBLAS vs the best configs.
     weights = [(name, torch.empty(SHAPES[name], device="cuda", dtype=torch.bfloat16).normal_(0, 0.02, generator=gen))
                for _ in range(LAYERS) for name in ("qkv", "o", "gate_up", "down")]
@@ -107,6 +159,12 @@ def main() -> None:
                                                             ("block_n", "block_k", "num_warps", "num_stages", "split_k")})
         arms["mixed"] = lambda name, w: (arms["triton"] if best[name]["us"] < res["shapes"][name]["cublas"]["us"]
                                          else arms["cublas"])(name, w)
+    if fused_best and all(fused_best.values()):  # the decode layer's fused GEMVs, each with its best config
+        inputs = fused_inputs(gen)
+        arms["triton_fused"] = lambda name, w: (
+            F.linear(x[name], w) if name == "lm_head" else
+            gemv(inputs[name]["x"], w, **inputs[name]["kw"], **{k: fused_best[name][k] for k in
+                                                                 ("block_n", "block_k", "num_warps", "num_stages")}))
     for arm, fn in arms.items():
         g = graph_of([lambda name=name, w=w, fn=fn: fn(name, w) for name, w in weights])
         ms = min(cuda_time(g.replay, 5) for _ in range(3)) * 1e3
