@@ -71,6 +71,18 @@ def test_acceptance_carries_across_batch_buckets():
     assert policy.choose(1) == PLAIN
 
 
+def test_re_measurements_back_off_while_they_change_nothing():
+    """Where speculation clearly loses, re-measuring it every explore_every rounds would cost
+    throughput forever: the interval doubles (to max_explore_every) while choices hold, and a
+    re-measurement that changes the choice is acted on."""
+    policy = AdaptivePolicy([CHAIN], explore_every=4, max_explore_every=64, alpha=1.0)
+    losing = feed(policy, 1, {PLAIN: 1.0, CHAIN: 4.0}, {PLAIN: 1, CHAIN: 2}, 200)
+    assert 4 <= losing.count(CHAIN) <= 9  # 1 + re-measurements at 4, 8, 16, 32, 64, 64 rounds
+    winning = feed(policy, 1, {PLAIN: 1.0, CHAIN: 0.5}, {PLAIN: 1, CHAIN: 2}, 80)
+    first = winning.index(CHAIN)  # found at the next re-measurement (<= 64 rounds away) ...
+    assert first <= 64 and winning[first:].count(PLAIN) <= 3  # ... and kept (plain re-measured rarely)
+
+
 def test_policy_needs_a_margin_to_switch_and_re_measures_stale_arms():
     policy = AdaptivePolicy([CHAIN], explore_every=10, alpha=1.0)
     feed(policy, 1, {PLAIN: 1.0, CHAIN: 1.0}, {PLAIN: 1, CHAIN: 2}, 6)

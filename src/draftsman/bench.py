@@ -473,14 +473,15 @@ class Workload:
 
 
 def make_session(target, drafter, spec: SpecConfig | str | None, workload: Workload,
-                 candidates: Sequence[SpecConfig] = ()) -> DecodeSession:
-    """spec: None (plain), a SpecConfig, or ADAPTIVE (a fresh AdaptivePolicy over candidates)."""
+                 candidates: Sequence[SpecConfig] = (), policy: AdaptivePolicy | None = None) -> DecodeSession:
+    """spec: None (plain), a SpecConfig, or ADAPTIVE (with `policy`, else a fresh AdaptivePolicy
+    over candidates)."""
     w = workload
     if spec is None:
         return PlainSession(target, w.max_len, seed=w.seed, compile=w.compile)
     if spec == ADAPTIVE:
-        return SpecSession(target, drafter, None, w.max_len, seed=w.seed, policy=AdaptivePolicy(candidates),
-                           compile=w.compile)
+        return SpecSession(target, drafter, None, w.max_len, seed=w.seed,
+                           policy=policy or AdaptivePolicy(candidates), compile=w.compile)
     return SpecSession(target, drafter, spec, w.max_len, seed=w.seed, compile=w.compile)
 
 
@@ -512,10 +513,13 @@ def bench_in_process(target, drafter, specs: Sequence[SpecConfig], workload: Wor
     for bs in workload.batch_sizes:
         plain_outputs: list | None = None
         for spec in [None, *specs, *([ADAPTIVE] if adaptive else [])]:
+            # The adaptive arm keeps one policy through warm-up and timed run, as a server keeps
+            # its policy for its lifetime: the warm-up's measurements are not thrown away.
+            policy = AdaptivePolicy(specs) if spec == ADAPTIVE else None
             if workload.warmup:
                 warm = _requests(workload.prompts[: workload.warmup], workload)
-                drive_session(make_session(target, drafter, spec, workload, specs), warm, bs)
-            session = make_session(target, drafter, spec, workload, specs)
+                drive_session(make_session(target, drafter, spec, workload, specs, policy), warm, bs)
+            session = make_session(target, drafter, spec, workload, specs, policy)
             captures = graph_captures(target, drafter)
             run = drive_session(session, _requests(workload.prompts, workload), bs, on_finish)
             arm = {"arm": arm_name(spec), "kind": "plain" if spec is None else "spec",

@@ -18,8 +18,8 @@ draft depth, branching per step, verified tree nodes incl. the root). Each batch
 every arm over the same prompts with at most B requests in flight, refilling a slot as soon as
 a request finishes (continuous batching). --spec-adaptive adds `spec-adaptive`: each round it
 runs one of those settings or a plain step, whichever is fastest at the running batch size by
-round times and acceptance it measures itself (it tries every choice first; see
-draftsman/spec/adaptive.py). Client: `server` (the served configuration) and, with
+round times and acceptance it measures itself (it tries every choice first, keeping what it
+measured during the warm-up, as a running server would; see draftsman/spec/adaptive.py). Client: `server` (the served configuration) and, with
 --baseline-url, `baseline` (a plain server) at each concurrency. --warmup N requests run
 untimed before every arm and batch size.
 
@@ -73,8 +73,8 @@ Output: a table, and with --json one JSON object as the last stdout line. Top-le
     identical, mismatched_requests          vs plain at this batch size, temperature 0
     finish_reasons      {reason: count}
     adaptive            spec-adaptive: [{batch_bucket, arm, round_ms, tau, rounds, chosen}],
-                        what the policy measured per batch bucket and arm and what it settled on
-                        (its acceptance keys cover its speculative rounds only)
+                        what the policy measured per batch bucket and arm (warm-up included) and
+                        what it settled on (its acceptance keys cover its speculative rounds only)
     weight_bytes_per_step, decode_step_ms, weight_bandwidth_gb_s, bandwidth_fraction
                         the roofline, on in-process plain arms
     graph_captures      in-process: CUDA graphs the arm captured while timed (each costs

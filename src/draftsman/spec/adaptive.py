@@ -10,8 +10,10 @@ buckets, and an arm tried in one bucket needs no new acceptance estimate in the 
 that captured a CUDA graph (or compiled) report no time: a capture costs several rounds, once
 per shape, and would make an arm look slow for long after. Every arm is timed once in a bucket
 before the policy trusts it; the best arm is then kept unless another beats it by
-`switch_margin`, and every `explore_every` rounds the arm timed longest ago is tried again so
-estimates follow changes in the text (acceptance) or the load (cost).
+`switch_margin`, and now and then the arm timed longest ago is tried again so estimates follow
+changes in the text (acceptance) or the load (cost): after `explore_every` rounds, then at
+doubling intervals (up to `max_explore_every`) while re-measuring changes no choice, since
+where speculation clearly loses every re-measurement is a loss.
 """
 
 from __future__ import annotations
@@ -45,11 +47,15 @@ class AdaptivePolicy:
     candidates: Sequence[SpecConfig]
     alpha: float = 0.2  # weight of a new observation in the running means
     switch_margin: float = 0.03  # another arm must beat the current one by this fraction
-    explore_every: int = 64  # rounds between re-measurements of the stalest arm
+    explore_every: int = 64  # rounds between re-measurements of the stalest arm, at first
+    max_explore_every: int = 1024  # ... doubling up to this while they change nothing
     estimates: dict[tuple[int, Hashable], Estimate] = field(default_factory=dict)
     taus: dict[Hashable, float] = field(default_factory=dict)  # tokens per row per round, per arm
     current: dict[int, SpecConfig | None] = field(default_factory=dict)  # chosen arm per bucket
     round: int = 0
+    _interval: dict[int, int] = field(default_factory=dict)  # per bucket: rounds between re-measurements
+    _next: dict[int, int] = field(default_factory=dict)  # per bucket: round of the next re-measurement
+    _probed: dict[int, SpecConfig | None] = field(default_factory=dict)  # choice before a re-measurement
 
     def __post_init__(self) -> None:
         if not self.candidates:
@@ -76,12 +82,19 @@ class AdaptivePolicy:
         if untried:  # time every arm in this bucket before choosing
             return untried[0]
         b = bucket(batch)
-        if self.round % self.explore_every == 0:
+        interval = self._interval.setdefault(b, self.explore_every)
+        if self.round >= self._next.setdefault(b, self.round + interval):
+            self._next[b] = self.round + interval
+            self._probed[b] = self.current.get(b)
             return min(rates, key=lambda arm: self.estimate(arm, batch).last_seen)
         best = max(rates, key=lambda arm: rates[arm])
         current = self.current.get(b, best)
         if rates[best] > rates[current] * (1 + self.switch_margin):
             current = best
+        if b in self._probed:  # the first choice after a re-measurement: back off if it changed nothing
+            changed = self._probed.pop(b) != current
+            self._interval[b] = self.explore_every if changed else min(2 * interval, self.max_explore_every)
+            self._next[b] = self.round + self._interval[b]
         self.current[b] = current
         return current
 
