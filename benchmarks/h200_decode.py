@@ -276,7 +276,7 @@ def round_costs(model, ctx_len: int, batches=(1,), rounds: int = 20, compile: bo
     counts the others. Speculation's break-even tau at a batch size is its round time over the
     plain step time. compile: the sessions' torch.compile'd forwards."""
     from draftsman.generate import StopRules
-    from draftsman.graphs import graph_table
+    from draftsman.graphs import captures
     from draftsman.models.eagle3 import init_drafter
     from draftsman.session import PlainSession, Request
     from draftsman.spec.engine import SpecConfig, SpecSession
@@ -292,9 +292,6 @@ def round_costs(model, ctx_len: int, batches=(1,), rounds: int = 20, compile: bo
         makers[name] = (lambda cfg: lambda: SpecSession(model, drafter, cfg, max_len, compile=compile))(
             SpecConfig(steps=steps, topk=topk, draft_tokens=n))
 
-    def captures() -> int:
-        return graph_table(model).captures + graph_table(drafter).captures
-
     out: dict = {}
     for b in batches:
         prompts = [torch.randint(0, min(128000, vocab), (ctx_len,), generator=gen).tolist() for _ in range(b)]
@@ -305,12 +302,12 @@ def round_costs(model, ctx_len: int, batches=(1,), rounds: int = 20, compile: bo
             times: list[float] = []
             skipped[name] = -1  # the first step's capture is expected
             for _ in range(limit):
-                before = captures()
+                before = captures(model, drafter)
                 sync()
                 t = time.perf_counter()
                 session.step()
                 dt = time.perf_counter() - t
-                if captures() != before or (not times and skipped[name] < 0):
+                if captures(model, drafter) != before or (not times and skipped[name] < 0):
                     skipped[name] += 1
                     continue
                 times.append(dt)

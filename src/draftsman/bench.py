@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from draftsman.generate import StopRules
-from draftsman.graphs import graph_table
+from draftsman.graphs import captures
 from draftsman.sampling import SamplingParams
 from draftsman.session import DecodeSession, PlainSession, Request
 from draftsman.spec.adaptive import AdaptivePolicy
@@ -495,12 +495,6 @@ def full_steps(steps: Sequence[tuple[float, int]], batch_size: int) -> list[floa
     return full or [t for t, _ in steps]
 
 
-def graph_captures(*modules) -> int:
-    """CUDA graphs captured so far for these modules (0 off CUDA): a timed arm that captures
-    many pays for them in its tokens/s."""
-    return sum(graph_table(m).captures for m in modules if m is not None)
-
-
 def bench_in_process(target, drafter, specs: Sequence[SpecConfig], workload: Workload,
                      copy_bandwidth: float | None = None,
                      on_finish: Callable[[], None] | None = None, adaptive: bool = False) -> list[dict]:
@@ -520,11 +514,11 @@ def bench_in_process(target, drafter, specs: Sequence[SpecConfig], workload: Wor
                 warm = _requests(workload.prompts[: workload.warmup], workload)
                 drive_session(make_session(target, drafter, spec, workload, specs, policy), warm, bs)
             session = make_session(target, drafter, spec, workload, specs, policy)
-            captures = graph_captures(target, drafter)
+            before = captures(target, drafter)
             run = drive_session(session, _requests(workload.prompts, workload), bs, on_finish)
             arm = {"arm": arm_name(spec), "kind": "plain" if spec is None else "spec",
                    "spec": spec_dict(spec, specs), "batch_size": bs, **latency_summary(run.traces, run.duration_s),
-                   "graph_captures": graph_captures(target, drafter) - captures}
+                   "graph_captures": captures(target, drafter) - before}
             outputs = [t.output for t in run.traces]
             if spec is None:
                 plain_outputs = outputs

@@ -74,6 +74,18 @@ def compile_mode() -> str | None:
     return mode
 
 
+def pow2_ceil(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): sizes rounded so, a few graph shapes serve
+    every batch size, attention span and cache allocation."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def captures(*modules: torch.nn.Module | None) -> int:
+    """CUDA graphs captured so far for these modules' tables (0 off CUDA): each capture costs
+    several steps, so timings that include one are not the steady state."""
+    return sum(graph_table(m).captures for m in modules if m is not None)
+
+
 def graphs_enabled(device: torch.device) -> bool:
     """CUDA graphs on CUDA devices unless DRAFTSMAN_CUDA_GRAPHS=0 (eager, for debugging)."""
     return device.type == "cuda" and os.environ.get("DRAFTSMAN_CUDA_GRAPHS", "1") != "0"

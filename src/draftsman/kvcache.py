@@ -14,6 +14,8 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
+from draftsman.graphs import pow2_ceil
+
 
 class StaticCache:
     """`buffers[name]` is a view of the first `batch_size` rows of a larger `_base` allocation:
@@ -82,7 +84,7 @@ class StaticCache:
         """Grow the allocation (to a power of two) to hold `rows` rows, keeping the live ones."""
         if rows <= self.capacity:
             return
-        grown = 1 << (rows - 1).bit_length()
+        grown = pow2_ceil(rows)
         b = self.batch_size
         for name, base in self._base.items():
             new = base.new_zeros(base.shape[0], grown, *base.shape[2:])

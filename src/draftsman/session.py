@@ -24,6 +24,7 @@ from draftsman.graphs import (
     compiled,
     graph_table,
     graphs_enabled,
+    pow2_ceil,
     signature,
 )
 from draftsman.kvcache import StaticCache
@@ -150,7 +151,7 @@ class DecodeSession(abc.ABC):
         if self.compile:  # one shape for the whole cache: a new span would mean a new compilation
             return cache.max_len
         need = max(len(r.prompt) + len(r.state.tokens) for r in self.rows) + extra
-        return min(cache.max_len, max(SPAN_MIN, 1 << (need - 1).bit_length()))
+        return min(cache.max_len, max(SPAN_MIN, pow2_ceil(need)))
 
     def run_step(self, module: torch.nn.Module, kind: str, fn, caches: Sequence[StaticCache],
                  **inputs: Tensor) -> Outputs:
@@ -160,7 +161,7 @@ class DecodeSession(abc.ABC):
         if not (self.graphed or self.pad) or not all(hasattr(c, "buffers") for c in caches):
             return fn(**inputs)  # eager, also for pipelines over several GPUs (ShardedCache)
         b = next(iter(inputs.values())).shape[0]
-        p = 1 << (b - 1).bit_length()  # batches run padded to a power of two: few graphs
+        p = pow2_ceil(b)  # batches run padded to a power of two: few graphs
         if p != b:
             inputs = {k: torch.cat([v, v[:1].expand(p - b, *v.shape[1:])]) for k, v in inputs.items()}
         with ExitStack() as stack:

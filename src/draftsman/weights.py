@@ -160,9 +160,13 @@ def load_checkpoint_into(
                               + (f" and {len(missing) - 20} more" if len(missing) > 20 else ""))
 
 
-def _fill(dest: Tensor, tensor: Tensor, where: str, expected: str) -> None:
+def _check_shape(tensor: Tensor, dest: Tensor, where: str, expected: str) -> None:
     if tuple(tensor.shape) != tuple(dest.shape):
         raise CheckpointError(f"{where} has shape {list(tensor.shape)}, but the model expects {expected}")
+
+
+def _fill(dest: Tensor, tensor: Tensor, where: str, expected: str) -> None:
+    _check_shape(tensor, dest, where, expected)
     with torch.no_grad():
         dest.copy_(tensor.to(device=dest.device, dtype=dest.dtype))
 
@@ -204,8 +208,7 @@ class PinnedStager:
 
     def _copy_unchecked(self, dest: Tensor, load: Callable[[], Tensor], where: str, expected: str) -> None:
         src = load()
-        if tuple(src.shape) != tuple(dest.shape):
-            raise CheckpointError(f"{where} has shape {list(src.shape)}, but the model expects {expected}")
+        _check_shape(src, dest, where, expected)
         local = self.local
         if not hasattr(local, "buffer"):
             local.buffer = torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=True)

@@ -90,12 +90,16 @@ def fuse_projections(model: nn.Module) -> None:
     use_gemv(model)
 
 
+def qkv_sizes(attn: nn.Module) -> list[int]:
+    """Widths of q, k and v in the fused qkv_proj output."""
+    return [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
+
+
 def project_qkv(attn: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """q, k, v of an attention module with q_proj/k_proj/v_proj, through their fused qkv_proj
     when `fuse_qkv` made one."""
     if hasattr(attn, "qkv_proj"):
-        sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
-        return attn.qkv_proj(x).split(sizes, dim=-1)
+        return attn.qkv_proj(x).split(qkv_sizes(attn), dim=-1)
     return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
 
 

@@ -17,6 +17,7 @@ from draftsman.models.layers import (
     attention,
     fuse_qkv,
     project_qkv,
+    qkv_sizes,
 )
 from draftsman.weights import SKIP
 
@@ -95,8 +96,7 @@ class LlamaDecoderLayer(nn.Module):
         attn, mlp, n1, n2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
         h = x.view(1, -1)
         qkv = gemv(h, attn.qkv_proj.weight, norm_weight=n1.weight, eps=n1.eps).view(*x.shape[:-1], -1)
-        sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
-        out = attn.attend(*qkv.split(sizes, dim=-1), ctx, layer)
+        out = attn.attend(*qkv.split(qkv_sizes(attn), dim=-1), ctx, layer)
         h = gemv(out.view(1, -1), attn.o_proj.weight, residual=h)
         gate_up = gemv(h, mlp.gate_up_proj.weight, norm_weight=n2.weight, eps=n2.eps)
         return gemv(gate_up, mlp.down_proj.weight, swiglu=True, residual=h).view_as(x)

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+from draftsman.graphs import pow2_ceil
 from draftsman.spec.engine import SpecConfig
 
 PLAIN = None  # the arm without speculation
@@ -28,7 +29,7 @@ PLAIN = None  # the arm without speculation
 
 def bucket(batch: int) -> int:
     """Batch sizes 1, 2, 3-4, 5-8, ... share estimates: the next power of two."""
-    return 1 << max(batch - 1, 0).bit_length()
+    return pow2_ceil(batch)
 
 
 @dataclass

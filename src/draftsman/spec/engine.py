@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from draftsman.generate import GenerationOutput, StopRules
-from draftsman.graphs import compiled, graph_table
+from draftsman.graphs import captures, compiled, pow2_ceil
 from draftsman.kvcache import StaticCache
 from draftsman.models.base import TargetModel
 from draftsman.models.layers import slot_mask
@@ -136,10 +136,10 @@ class SpecSession(DecodeSession):
             return self._spec_round()[0]
         batch = len(self.rows)
         arm = self.policy.choose(batch)
-        shape = (arm, 1 << max(batch - 1, 0).bit_length())  # compiled forwards specialize on this
+        shape = (arm, pow2_ceil(batch))  # compiled forwards specialize on the padded batch
         compiling = self.compile and shape not in self._compiled_shapes
         self._compiled_shapes.add(shape)
-        captures = self._captures()
+        before = captures(self.target, self.drafter)
         start = time.perf_counter()
         if arm is None:
             self._set_spans(plain=True)
@@ -151,13 +151,9 @@ class SpecSession(DecodeSession):
                 self._catch_up()
             events, accepted = self._spec_round()
         seconds = time.perf_counter() - start  # the round ended in a host sync: its real cost
-        untimed = compiling or self._captures() != captures  # one-off costs, not the arm's
+        untimed = compiling or captures(self.target, self.drafter) != before  # one-off costs, not the arm's
         self.policy.observe(arm, batch, None if untimed else seconds, accepted)
         return events
-
-    def _captures(self) -> int:
-        """CUDA graphs captured so far for the target and drafter (a capture costs many rounds)."""
-        return graph_table(self.target).captures + graph_table(self.drafter).captures
 
     def _set_spans(self, plain: bool = False) -> None:
         """The slots this round's static-shape steps attend over, target and drafter
