@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
-from h200_json import update_h200_json  # benchmarks/ is on sys.path when run as a script
+from h200_json import (  # benchmarks/ is on sys.path when run as a script
+    update_h200_json,
+    write_results,
+)
 from reference_pair import run_bench
 
 
@@ -49,9 +51,7 @@ def main() -> None:
                "max_new_tokens": args.max_new_tokens,
                "warmup": args.num_prompts if args.warmup is None else args.warmup, "by_batch": by_batch, "min_speedup": minimum,
                "min_speedup_over_batches": minimum["spec-adaptive"], "command": " ".join(cmd[1:])}
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"summary": summary, "bench": result}, indent=1) + "\n")
+    write_results(args.out, {"summary": summary, "bench": result})
     if args.h200_json:
         update_h200_json(args.h200_json, {"min_speedup_over_batches": minimum["spec-adaptive"],
                                           "min_speedup_over_batches_fixed": minimum}, args.out or "(not saved)")

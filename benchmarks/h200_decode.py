@@ -40,7 +40,7 @@ from geometries import (  # benchmarks/ is on sys.path when run as a script
     LLAMA_31_8B,
     MOONLIGHT_16B_A3B,
 )
-from h200_json import update_h200_json
+from h200_json import update_h200_json, write_results
 
 from draftsman.bench import decode_weight_bytes
 from draftsman.config import parse_target_config
@@ -382,9 +382,7 @@ def main() -> None:
                  "date": time.strftime("%Y-%m-%d"), "arms": {}, "errors": {}}
 
     def save():
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+        write_results(args.out, res)
 
     bw = copy_bandwidth()
     raw = GEOMETRIES[args.geometry]

@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
-from reference_pair import run_bench  # benchmarks/ is on sys.path when run as a script
+from h200_json import write_results  # benchmarks/ is on sys.path when run as a script
+from reference_pair import run_bench
 
 from draftsman.bench import load_prompt_set
 from draftsman.tokenizer import encode_prompt, eos_token_ids, load_tokenizer
@@ -95,9 +95,7 @@ def main() -> None:
                 row["spec_over_hf_prompt_lookup"] = row["draftsman_spec"] / row["hf_prompt_lookup"]
             res["runs"].append(row)
             print(json.dumps(row), flush=True)
-            if args.out:
-                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+            write_results(args.out, res)
     print(json.dumps(res))
 
 

@@ -17,11 +17,11 @@ import argparse
 import itertools
 import json
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from h200_decode import copy_bandwidth, cuda_time  # benchmarks/ is on sys.path when run as a script
+from h200_json import write_results
 
 from draftsman.kernels.gemv import gemv
 
@@ -172,9 +172,7 @@ def main() -> None:
         del g
     res["chain_8b"] = chain
     print("chain", chain, flush=True)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    write_results(args.out, res)
     print(json.dumps({k: v for k, v in res.items() if k != "shapes"}))
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 from geometries import LLAMA_31_8B, MOONLIGHT_16B_A3B  # benchmarks/ is on sys.path as a script
+from h200_json import write_results
 
 from draftsman.config import parse_target_config
 from draftsman.models import build_target, load_target
@@ -140,9 +141,7 @@ def main() -> None:
     res["speedup_over_hf"] = res["hf_from_pretrained_best_s"] / res["draftsman_best_s"]
     if not args.keep:
         shutil.rmtree(path)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    write_results(args.out, res)
     print(json.dumps(res))
 
 

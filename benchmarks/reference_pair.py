@@ -16,7 +16,8 @@ import argparse
 import json
 import subprocess
 import sys
-from pathlib import Path
+
+from h200_json import write_results  # benchmarks/ is on sys.path when run as a script
 
 # chain of 5, a 6-node tree and the engine's default tree (SGLang meanings: steps, topk, nodes)
 SPECS = {"--spec-steps": "5", "--spec-topk": "1,4", "--spec-draft-tokens": "6,16"}
@@ -79,9 +80,8 @@ def main() -> None:
             rows += new
             print(f"{dataset} T={t}: " + ", ".join(
                 f"{r['arm']} tau={r['accept_length']} x{r['speedup']}" for r in new), file=sys.stderr)
-            if args.out:  # after every run, so a run cut short keeps what it measured
-                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.out).write_text(json.dumps({"summary": summary(), "bench": full}, indent=1) + "\n")
+            # after every run, so a run cut short keeps what it measured
+            write_results(args.out, {"summary": summary(), "bench": full})
     print(json.dumps(summary()))
 
 
