@@ -30,6 +30,20 @@ class StaticCache:
         self.buffers = dict(buffers)
         self.num_layers, self.batch_size, self.max_len = shapes.pop()
 
+    @property
+    def buffers(self) -> dict[str, Tensor]:
+        return self._buffers
+
+    @buffers.setter
+    def buffers(self, buffers: dict[str, Tensor]) -> None:
+        # Layers are written and read through views made here, outside any compiled code: given
+        # the whole [layers, ...] buffer, torch.compile turns each layer's in-place write into a
+        # copy of that layer's slice and copies the whole buffer back at the end (tens of
+        # microseconds per decode step on the GPU); given per-layer tensors, it writes in place.
+        self._buffers = buffers
+        with torch.enable_grad():  # views made under no_grad could not be written with grad on
+            self._layers = {name: [buf[i] for i in range(buf.shape[0])] for name, buf in buffers.items()}
+
     @classmethod
     def allocate(
         cls,
@@ -52,11 +66,12 @@ class StaticCache:
         """Store values [B, T, ...] at slots index [B, T] of one layer."""
         rows = torch.arange(index.shape[0], device=index.device)[:, None]
         for name, value in values.items():
-            self.buffers[name][layer][rows, index] = value.to(self.buffers[name].dtype)
+            buf = self._layers[name][layer]
+            buf[rows, index] = value.to(buf.dtype)
 
     def read(self, layer: int, name: str, length: int) -> Tensor:
         """The first `length` slots of one layer's buffer: [B, length, ...]."""
-        return self.buffers[name][layer, :, :length]
+        return self._layers[name][layer][:, :length]
 
     def compact(self, src: Tensor, dst: Tensor) -> None:
         """For every layer and row b, copy slots src[b] to slots dst[b] (both [B, N]).
@@ -77,7 +92,7 @@ class StaticCache:
         k = int(rows.numel())
         for name, base in self._base.items():
             base[:, :k] = self.buffers[name][:, rows]  # gathered before written: overlap is safe
-            self.buffers[name] = base[:, :k]
+        self.buffers = {name: base[:, :k] for name, base in self._base.items()}
         self.batch_size = k
 
     def reserve(self, rows: int) -> None:
@@ -90,7 +105,7 @@ class StaticCache:
             new = base.new_zeros(base.shape[0], grown, *base.shape[2:])
             new[:, :b] = self.buffers[name]
             self._base[name] = new
-            self.buffers[name] = new[:, :b]
+        self.buffers = {name: base[:, :b] for name, base in self._base.items()}
 
     @contextmanager
     def padded(self, rows: int) -> Iterator[None]:
@@ -113,7 +128,7 @@ class StaticCache:
         self.reserve(b + m)
         for name, base in self._base.items():
             base[:, b : b + m] = other.buffers[name]
-            self.buffers[name] = base[:, : b + m]
+        self.buffers = {name: base[:, : b + m] for name, base in self._base.items()}
         self.batch_size = b + m
 
     def nbytes(self) -> int:
