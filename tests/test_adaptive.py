@@ -51,9 +51,26 @@ def test_policy_turns_speculation_off_where_it_loses():
     assert feed(policy, 1, {PLAIN: 1.0, CHAIN: 1.2, TREE: 1.6}, taus, 20)[3:] == [TREE] * 17
 
 
+def test_noisy_acceptance_at_batch_1_does_not_drop_the_best_arm():
+    """At batch 1 a round's acceptance is one draw in 0..steps. With the chain's mean τ 3.2 and a
+    round costing 1.65 plain steps, speculation wins unless τ falls under 1.65; the running τ
+    must not swing there on runs of bad rounds (as a per-round mean did on the H200, where the
+    policy then decoded plainly for hundreds of rounds)."""
+    gen = torch.Generator().manual_seed(0)
+    policy = AdaptivePolicy([CHAIN])
+    draws = torch.multinomial(torch.tensor([0.25, 0.15, 0.1, 0.1, 0.4]), 4000, True, generator=gen).tolist()
+    chosen = []
+    for accepted in draws:  # mean accepted 2.2: τ 3.2
+        arm = policy.choose(1)
+        chosen.append(arm)
+        policy.observe(arm, 1, 1.0 if arm is PLAIN else 1.65, [] if arm is PLAIN else [accepted])
+    assert chosen.count(CHAIN) >= 0.98 * len(chosen)
+    assert 2.6 < policy.taus[CHAIN] < 3.8
+
+
 def test_untimed_rounds_count_acceptance_not_cost():
     """Rounds that captured a CUDA graph report no time: a capture must not make an arm look slow."""
-    policy = AdaptivePolicy([CHAIN], explore_every=1000, alpha=1.0)
+    policy = AdaptivePolicy([CHAIN], explore_every=1000, alpha=1.0, tau_alpha=1.0)
     feed(policy, 1, {PLAIN: 1.0, CHAIN: 1.0}, {PLAIN: 1, CHAIN: 3}, 4)
     policy.observe(CHAIN, 1, None, [4])  # a capture round: acceptance counts, its 'cost' does not
     assert policy.estimate(CHAIN, 1).seconds == 1.0 and policy.taus[CHAIN] == 5.0
@@ -63,7 +80,7 @@ def test_untimed_rounds_count_acceptance_not_cost():
 def test_acceptance_carries_across_batch_buckets():
     """τ is a property of the text and drafter, one estimate per arm: acceptance seen at batch 16
     moves the choice at batch 1, while round times stay per bucket."""
-    policy = AdaptivePolicy([CHAIN], explore_every=1000, alpha=1.0)
+    policy = AdaptivePolicy([CHAIN], explore_every=1000, alpha=1.0, tau_alpha=1.0)
     feed(policy, 1, {PLAIN: 1.0, CHAIN: 1.2}, {PLAIN: 1, CHAIN: 3}, 3)
     assert policy.choose(1) == CHAIN and policy.rate(CHAIN, 16) is None  # not timed at 16 yet
     policy.observe(CHAIN, 16, 5.0, [0] * 16)  # the text turned hard: nothing accepted
@@ -75,7 +92,7 @@ def test_re_measurements_back_off_while_they_change_nothing():
     """Where speculation clearly loses, re-measuring it every explore_every rounds would cost
     throughput forever: the interval doubles (to max_explore_every) while choices hold, and a
     re-measurement that changes the choice is acted on."""
-    policy = AdaptivePolicy([CHAIN], explore_every=4, max_explore_every=64, alpha=1.0)
+    policy = AdaptivePolicy([CHAIN], explore_every=4, max_explore_every=64, alpha=1.0, tau_alpha=1.0)
     losing = feed(policy, 1, {PLAIN: 1.0, CHAIN: 4.0}, {PLAIN: 1, CHAIN: 2}, 200)
     assert 4 <= losing.count(CHAIN) <= 9  # 1 + re-measurements at 4, 8, 16, 32, 64, 64 rounds
     winning = feed(policy, 1, {PLAIN: 1.0, CHAIN: 0.5}, {PLAIN: 1, CHAIN: 2}, 80)
@@ -84,7 +101,7 @@ def test_re_measurements_back_off_while_they_change_nothing():
 
 
 def test_policy_needs_a_margin_to_switch_and_re_measures_stale_arms():
-    policy = AdaptivePolicy([CHAIN], explore_every=10, alpha=1.0)
+    policy = AdaptivePolicy([CHAIN], explore_every=10, alpha=1.0, tau_alpha=1.0)
     feed(policy, 1, {PLAIN: 1.0, CHAIN: 1.0}, {PLAIN: 1, CHAIN: 2}, 6)
     assert policy.current[1] == CHAIN
     # plain now 2% faster than the chain: within the margin, no switch (except explorations)
