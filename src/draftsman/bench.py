@@ -473,20 +473,20 @@ class Workload:
 
 
 def make_session(target, drafter, spec: SpecConfig | str | None, workload: Workload,
-                 candidates: Sequence[SpecConfig] = (), policy: AdaptivePolicy | None = None) -> DecodeSession:
-    """spec: None (plain), a SpecConfig, or ADAPTIVE (with `policy`, else a fresh AdaptivePolicy
-    over candidates)."""
+                 candidates: Sequence[SpecConfig] = ()) -> DecodeSession:
+    """spec: None (plain), a SpecConfig, or ADAPTIVE (a fresh AdaptivePolicy over candidates)."""
     w = workload
     if spec is None:
         return PlainSession(target, w.max_len, seed=w.seed, compile=w.compile)
     if spec == ADAPTIVE:
         return SpecSession(target, drafter, None, w.max_len, seed=w.seed,
-                           policy=policy or AdaptivePolicy(candidates), compile=w.compile)
+                           policy=AdaptivePolicy(candidates), compile=w.compile)
     return SpecSession(target, drafter, spec, w.max_len, seed=w.seed, compile=w.compile)
 
 
-def _requests(prompts: Sequence[Sequence[int]], workload: Workload) -> list[Request]:
-    return [Request(i, p, workload.rules, workload.params) for i, p in enumerate(prompts)]
+def _requests(prompts: Sequence[Sequence[int]], workload: Workload, prefix: str = "") -> list[Request]:
+    return [Request(f"{prefix}{i}" if prefix else i, p, workload.rules, workload.params)
+            for i, p in enumerate(prompts)]
 
 
 def full_steps(steps: Sequence[tuple[float, int]], batch_size: int) -> list[float]:
@@ -507,13 +507,13 @@ def bench_in_process(target, drafter, specs: Sequence[SpecConfig], workload: Wor
     for bs in workload.batch_sizes:
         plain_outputs: list | None = None
         for spec in [None, *specs, *([ADAPTIVE] if adaptive else [])]:
-            # The adaptive arm keeps one policy through warm-up and timed run, as a server keeps
-            # its policy for its lifetime: the warm-up's measurements are not thrown away.
-            policy = AdaptivePolicy(specs) if spec == ADAPTIVE else None
+            # Warm-up and timed run share one session, as a server keeps one for its lifetime:
+            # its cache allocations, so the CUDA graphs captured over them in the warm-up replay
+            # in the timed run (a new session's caches would need new captures, each costing
+            # several rounds), and the adaptive arm's policy with its measurements.
+            session = make_session(target, drafter, spec, workload, specs)
             if workload.warmup:
-                warm = _requests(workload.prompts[: workload.warmup], workload)
-                drive_session(make_session(target, drafter, spec, workload, specs, policy), warm, bs)
-            session = make_session(target, drafter, spec, workload, specs, policy)
+                drive_session(session, _requests(workload.prompts[: workload.warmup], workload, "warmup-"), bs)
             before = captures(target, drafter)
             run = drive_session(session, _requests(workload.prompts, workload), bs, on_finish)
             arm = {"arm": arm_name(spec), "kind": "plain" if spec is None else "spec",

@@ -127,9 +127,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch.compile the decode/draft/verify forwards (in-process; each new step shape "
                         "compiles first: seconds on small models, minutes on 8B ones; warm up with --warmup)")
     p.add_argument("--no-chat", action="store_true", help="send raw prompts, no chat template")
-    p.add_argument("--warmup", type=int, default=1, help="untimed requests before each arm (default 1); on CUDA they also capture the "
-                   "arm's graphs: warm up at least as many requests as the batch size to time the steady "
-                   "state (the JSON's graph_captures counts captures left in the timed run)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed requests before each arm (default 1), in the session that then runs "
+                   "the timed requests, as a server keeps one session: on CUDA they capture the arm's "
+                   "graphs; warm up at least as many requests as the batch size to time the steady state "
+                   "(the JSON's graph_captures counts captures left in the timed run)")
     p.add_argument("--timeout", type=float, default=600.0, help="client: seconds per request (default 600)")
     add_sampling_args(p)
     add_device_args(p)
