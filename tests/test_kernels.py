@@ -221,27 +221,32 @@ def test_decode_linear_runs_one_row_products_on_the_gemv():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("fusion", ["norm", "swiglu", "residual"])
-def test_gemv_fusions_match_pytorch_on_cuda(m, fusion):
-    """bf16 against PyTorch's bf16 decode-layer ops (N ragged against the default blocks)."""
+@pytest.mark.parametrize("wide", [False, True])
+def test_gemv_fusions_match_pytorch_on_cuda(m, fusion, wide):
+    """bf16 against PyTorch's bf16 decode-layer ops (N ragged against the default blocks, and
+    against the fused decode layers' wider tiles)."""
     import torch.nn.functional as F
 
-    from draftsman.kernels.gemv import gemv
+    from draftsman.kernels.gemv import fused_tiles, gemv
     from draftsman.models.layers import RMSNorm
 
     g = torch.Generator(device="cuda").manual_seed(0)
     k, n = 4096, 1000
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    tiles = fused_tiles(n, k) if wide else {}
+    assert tiles or not wide
     if fusion == "norm":
         norm = RMSNorm(k).to("cuda", torch.bfloat16).requires_grad_(False)
         norm.weight.copy_(1 + 0.1 * torch.randn(k, device="cuda", generator=g))
-        got, expected = gemv(x, w, norm_weight=norm.weight, eps=norm.eps), F.linear(norm(x), w)
+        got, expected = gemv(x, w, norm_weight=norm.weight, eps=norm.eps, **tiles), F.linear(norm(x), w)
     elif fusion == "swiglu":
         gate_up = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16, generator=g)
-        got, expected = gemv(gate_up, w, swiglu=True), F.linear(F.silu(gate_up[:, :k]) * gate_up[:, k:], w)
+        got, expected = (gemv(gate_up, w, swiglu=True, **tiles),
+                         F.linear(F.silu(gate_up[:, :k]) * gate_up[:, k:], w))
     else:
         residual = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=g)
-        got, expected = gemv(x, w, residual=residual), residual + F.linear(x, w)
+        got, expected = gemv(x, w, residual=residual, **tiles), residual + F.linear(x, w)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
 

@@ -91,15 +91,18 @@ class LlamaDecoderLayer(nn.Module):
         """forward() for fused_decode inputs in four GEMV kernels with the layer's small ops folded
         in (same roundings): RMSNorm into the q/k/v and gate/up GEMVs, SiLU * up into the down
         GEMV, the residual adds into the o and down GEMVs."""
-        from draftsman.kernels.gemv import gemv
+        from draftsman.kernels.gemv import fused_tiles, gemv
 
         attn, mlp, n1, n2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
         h = x.view(1, -1)
-        qkv = gemv(h, attn.qkv_proj.weight, norm_weight=n1.weight, eps=n1.eps).view(*x.shape[:-1], -1)
+        w = attn.qkv_proj.weight
+        qkv = gemv(h, w, norm_weight=n1.weight, eps=n1.eps, **fused_tiles(*w.shape)).view(*x.shape[:-1], -1)
         out = attn.attend(*qkv.split(qkv_sizes(attn), dim=-1), ctx, layer)
         h = gemv(out.view(1, -1), attn.o_proj.weight, residual=h)
-        gate_up = gemv(h, mlp.gate_up_proj.weight, norm_weight=n2.weight, eps=n2.eps)
-        return gemv(gate_up, mlp.down_proj.weight, swiglu=True, residual=h).view_as(x)
+        w = mlp.gate_up_proj.weight
+        gate_up = gemv(h, w, norm_weight=n2.weight, eps=n2.eps, **fused_tiles(*w.shape))
+        w = mlp.down_proj.weight
+        return gemv(gate_up, w, swiglu=True, residual=h, **fused_tiles(*w.shape)).view_as(x)
 
 
 class LlamaModel(TargetModel):
