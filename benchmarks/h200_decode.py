@@ -266,7 +266,8 @@ ROUND_SPECS = {"chain6": (5, 1, 6), "tree16": (5, 4, 16), "tree32": (6, 6, 32), 
                "tree64_s4": (4, 8, 64)}
 
 
-def round_costs(model, ctx_len: int, batches=(1,), rounds: int = 20, compile: bool = False) -> dict:
+def round_costs(model, ctx_len: int, batches=(1,), rounds: int = 20, compile: bool = False,
+                names: list[str] | None = None) -> dict:
     """ms of one engine step (plain: a decode step; spec: a whole round, draft + verify + accept +
     drafter extension, greedy so the round is one graph) with an 8B-shaped drafter, per batch
     size: the mean over `rounds` steady session.step() calls, each timed by the host clock and
@@ -274,7 +275,8 @@ def round_costs(model, ctx_len: int, batches=(1,), rounds: int = 20, compile: bo
     first call captures; so does the first one after a row outgrows its attention span), so
     steps continue past captures until `rounds` steady ones are timed; `captures_skipped`
     counts the others. Speculation's break-even tau at a batch size is its round time over the
-    plain step time. compile: the sessions' torch.compile'd forwards."""
+    plain step time. compile: the sessions' torch.compile'd forwards. names: ROUND_SPECS keys to
+    run (default all; each new verify/draft shape compiles for a minute at 8B)."""
     from draftsman.generate import StopRules
     from draftsman.graphs import captures
     from draftsman.models.eagle3 import init_drafter
@@ -288,7 +290,8 @@ def round_costs(model, ctx_len: int, batches=(1,), rounds: int = 20, compile: bo
     budget = 8 * (limit + 1)
     max_len = ctx_len + budget + 1
     makers = {"plain": lambda: PlainSession(model, max_len, compile=compile)}
-    for name, (steps, topk, n) in ROUND_SPECS.items():
+    specs = {k: v for k, v in ROUND_SPECS.items() if names is None or k in names}
+    for name, (steps, topk, n) in specs.items():
         makers[name] = (lambda cfg: lambda: SpecSession(model, drafter, cfg, max_len, compile=compile))(
             SpecConfig(steps=steps, topk=topk, draft_tokens=n))
 
@@ -330,8 +333,8 @@ def round_costs(model, ctx_len: int, batches=(1,), rounds: int = 20, compile: bo
                       if not n.startswith(("fc.", "embed_tokens")))
     ratio = draft_bytes / step_bytes
     return {"ms": single["ms"], "over_plain_step": single["over_plain_step"], "by_batch": out,
-            "specs": ROUND_SPECS, "draft_forward_bytes_over_step": ratio,
-            "bytes_bound_over_step": {k: 1 + s * ratio for k, (s, _, _) in ROUND_SPECS.items()}}
+            "specs": specs, "draft_forward_bytes_over_step": ratio,
+            "bytes_bound_over_step": {k: 1 + s * ratio for k, (s, _, _) in specs.items()}}
 
 
 def h200_figures(res: dict) -> dict:
@@ -364,6 +367,7 @@ def main() -> None:
     ap.add_argument("--no-fuse", action="store_true", help="separate q/k/v and gate/up GEMMs (as before fusion)")
     ap.add_argument("--compile-rounds", action="store_true", help="rounds arm: torch.compile'd sessions")
     ap.add_argument("--batches", default="1", help="rounds arm: batch sizes, comma list (default 1)")
+    ap.add_argument("--round-specs", help=f"rounds arm: which of {','.join(ROUND_SPECS)} (comma list; default all)")
     ap.add_argument("--out")
     ap.add_argument("--h200-json", help="merge the headline figures into this file (benchmarks/h200.json)")
     ap.add_argument("--from-results", nargs="+", metavar="JSON",
@@ -433,7 +437,8 @@ def main() -> None:
                 elif arm == "verify":
                     r = {"compiled": best_compiled, "ms": verify_costs(model, [1, 6, 16, 32, 64], ctx, best_compiled)}
                 elif arm == "rounds":
-                    r = round_costs(model, ctx, [int(b) for b in args.batches.split(",")], compile=args.compile_rounds)
+                    r = round_costs(model, ctx, [int(b) for b in args.batches.split(",")], compile=args.compile_rounds,
+                                    names=args.round_specs.split(",") if args.round_specs else None)
                     r["compiled"] = args.compile_rounds
                 elif arm == "draft":
                     r = {"compiled": best_compiled} | draft_costs(model, [1, 4, 6, 8], ctx, best_compiled)
