@@ -13,6 +13,8 @@ Arms, all batch 1, greedy, one prompt of --prompt-len tokens then --new-tokens t
   *_autotune        a compiled arm in torch.compile's max-autotune-no-cudagraphs mode
   *_cublas          a graph arm with every GEMV on cuBLAS (default: batch-1 GEMVs on draftsman's
                     Triton GEMV, as inference models run; layers.use_gemv)
+  *_sdpa            one-token attention through SDPA (default: draftsman's Triton decode-attention
+                    kernel, kernels/attention.py; layers.DECODE_ATTENTION)
   *_unfused         Triton GEMVs, but without the fused decode layers (default for Llama: RMSNorm,
                     SwiGLU and residual adds folded into the GEMVs; llama.FUSED_DECODE)
 ms/token = (time for N tokens - time for 1 token) / (N - 1), so prefill is excluded.
@@ -416,11 +418,13 @@ def main() -> None:
                 elif arm == "engine_eager":
                     r = engine_arm(model, prompt, args.new_tokens)
                 elif arm.startswith(("graph_eager", "graph_compiled")):
+                    import draftsman.models.layers as layers
                     import draftsman.models.llama as llama
 
                     llama.attention = math_attention if "_math" in arm else sdpa_attention
                     use_gemv(model, "_cublas" not in arm)
                     llama.FUSED_DECODE = "_unfused" not in arm
+                    layers.DECODE_ATTENTION = "_sdpa" not in arm
                     if "_autotune" in arm:  # Triton GEMM templates with fused epilogues
                         os.environ["DRAFTSMAN_COMPILE_MODE"] = "max-autotune-no-cudagraphs"
                     try:
@@ -430,6 +434,7 @@ def main() -> None:
                         llama.attention = sdpa_attention
                         use_gemv(model, True)
                         llama.FUSED_DECODE = True
+                        layers.DECODE_ATTENTION = True
                         os.environ.pop("DRAFTSMAN_COMPILE_MODE", None)
                     del _runner, _cache
                     if arm == "graph_compiled":

@@ -283,3 +283,52 @@ def test_fused_decode_layers_match_the_unfused_ones():
     fused, reference = logits
     scale = reference.abs().max()
     assert (fused - reference).abs().max() <= 0.03 * scale
+
+
+DECODE_ATTENTION_INTERPRETED = """
+import torch
+from draftsman.kernels.attention import decode_attention
+from draftsman.models.layers import attention
+g = torch.Generator().manual_seed(0)
+for b, h, hkv, d, dv, s, splits in ((2, 8, 2, 16, 16, 100, None), (1, 4, 4, 16, 32, 37, 1), (3, 6, 2, 32, 16, 70, 3)):
+    q = torch.randn(b, 1, h, d, generator=g)
+    k, v = torch.randn(b, s + 5, hkv, d, generator=g)[:, :s], torch.randn(b, s, hkv, dv, generator=g)
+    mask = torch.rand(b, 1, s, generator=g) < 0.7
+    mask[0, 0, 40:] = False  # a whole split with nothing visible
+    if b > 1:
+        mask[1] = False  # a row that sees nothing: zeros, as attention()
+    got = decode_attention(q, k, v, mask, d ** -0.5, block_s=16, splits=splits)
+    want = attention(q, k, v, mask, d ** -0.5)
+    torch.testing.assert_close(got, torch.nan_to_num(want), rtol=1e-4, atol=1e-4)
+print("ok")
+"""
+
+
+def test_decode_attention_matches_attention_interpreted():
+    """One query token over ragged slot counts, grouped heads (and one query head per KV head),
+    Dv != D, strided K, split and unsplit slots, a split and a row with nothing visible."""
+    proc = subprocess.run([sys.executable, "-c", DECODE_ATTENTION_INTERPRETED], capture_output=True, text=True,
+                          timeout=600, env=os.environ | {"TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("b,s", [(1, 264), (4, 1000)])
+def test_decode_attention_matches_sdpa_on_cuda(b, s):
+    """bf16 at Llama-3.1-8B's heads (32 query, 8 KV, dim 128) over a cache buffer longer than the
+    span read, against SDPA's math backend in fp32."""
+    from draftsman.kernels.attention import decode_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cache = torch.randn(2, b, s + 64, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = cache[0, :, :s], cache[1, :, :s]
+    q = torch.randn(b, 1, 32, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    pos = torch.randint(s // 2, s, (b, 1), device="cuda")
+    mask = torch.arange(s, device="cuda")[None, None, :] <= pos[:, :, None]
+    got = decode_attention(q, k, v, mask, 128 ** -0.5)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2), attn_mask=mask[:, None],
+        scale=128 ** -0.5, enable_gqa=True).transpose(1, 2)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)

@@ -252,6 +252,10 @@ def deinterleave(x: Tensor) -> Tensor:
 # time each (measured on the H200), and decoding changes the key length every step while
 # training changes it every micro-batch (steps of 1.4 s instead of 0.12 s).
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# One-token attention (decode steps) on CUDA in bf16/fp16 through draftsman's Triton kernel
+# (kernels/attention.py), inference only: compiled steps otherwise expand K/V to every query
+# head in fp32. False: always SDPA (benchmarks' `_sdpa` arms).
+DECODE_ATTENTION = True
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
@@ -259,6 +263,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Te
 
     Grouped-query attention when Hkv < H. A query row with no visible key returns zeros
     instead of NaN (padding rows)."""
+    if (DECODE_ATTENTION and q.shape[1] == 1 and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+            and triton_available() and not (q.requires_grad or k.requires_grad or v.requires_grad)):
+        from draftsman.kernels.attention import decode_attention, fits
+
+        if fits(q, k, v):
+            return decode_attention(q, k, v, mask, scale)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     # Under torch.compile the backend choice is process-wide (see graphs.compile_step).
     pick = q.is_cuda and not torch.compiler.is_compiling()

@@ -1,0 +1,112 @@
+"""Decode attention: one query token per row over the KV cache, grouped-query heads.
+
+Under torch.compile, SDPA with a mask and grouped heads lowers to expanding K and V to every
+query head in fp32 and two fp32 GEMVs per layer, about 16 us per layer on the H200 at a few
+hundred slots (half a millisecond per 8B step). Here each program reads its share of one KV
+head's slots once, for all the query heads that share it (flash-decoding: slots split across
+programs, each keeping an online softmax), and a small combine weighs the splits by their
+maxima and normalizers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+SM_TARGET = 128  # programs to aim for (about one per SM on an H100/H200)
+
+
+@triton.jit
+def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, acc_ptr, stat_ptr, S, scale,
+                             stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                             stride_mb, HKV: tl.constexpr, SPLITS: tl.constexpr, G: tl.constexpr,
+                             G_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_S: tl.constexpr,
+                             S_LEN: tl.constexpr, PRECISION: tl.constexpr):
+    pid = tl.program_id(0)  # (batch row, kv head)
+    split = tl.program_id(1)
+    b = pid // HKV
+    hk = pid % HKV
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D)
+    dv = tl.arange(0, DV)
+    q = tl.load(q_ptr + b * stride_qb + (hk * G + g)[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None],
+                other=0.0)
+    m_i = tl.full((G_PAD,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((G_PAD,), dtype=tl.float32)
+    acc = tl.zeros((G_PAD, DV), dtype=tl.float32)
+    for s0 in range(0, S_LEN, BLOCK_S):
+        s = split * S_LEN + s0 + tl.arange(0, BLOCK_S)
+        s_ok = s < S
+        k = tl.load(k_ptr + b * stride_kb + s[:, None] * stride_ks + hk * stride_kh + d[None, :],
+                    mask=s_ok[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G_PAD, BLOCK_S] fp32
+        visible = tl.load(m_ptr + b * stride_mb + s, mask=s_ok, other=0) != 0
+        scores = tl.where(visible[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(scores - m_safe[:, None])
+        v = tl.load(v_ptr + b * stride_vb + s[:, None] * stride_vs + hk * stride_vh + dv[None, :],
+                    mask=s_ok[:, None], other=0.0)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    # Partials of this split: acc [B, HKV, SPLITS, G_PAD, DV], (max, normalizer) [..., G_PAD, 2].
+    row = (pid * SPLITS + split) * G_PAD + g
+    tl.store(acc_ptr + row[:, None] * DV + dv[None, :], acc)
+    tl.store(stat_ptr + row * 2, m_i)
+    tl.store(stat_ptr + row * 2 + 1, l_i)
+
+
+def fits(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Shapes the kernel serves: one query token, head dims powers of two >= 16, H a multiple of
+    Hkv, at most 16 query heads per KV head."""
+    _, t, h, d = q.shape
+    hkv, dv = k.shape[2], v.shape[-1]
+    pow2 = all(x >= 16 and x & (x - 1) == 0 for x in (d, dv))
+    return t == 1 and pow2 and h % hkv == 0 and h // hkv <= 16
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float,
+                     block_s: int = 64, splits: int | None = None) -> Tensor:
+    """q [B, 1, H, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv], mask [B, 1, S] bool (True = may
+    attend) -> [B, 1, H, Dv] in q's dtype, as layers.attention (a row that sees no slot gets
+    zeros). Query head h reads KV head h // (H / Hkv). splits: programs per (row, KV head)
+    along the slots (default: enough for about SM_TARGET programs)."""
+    if not fits(q, k, v):
+        raise ValueError(f"decode_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} not served")
+    b, _, h, d = q.shape
+    s, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
+    if mask.shape != (b, 1, s):
+        raise ValueError(f"decode_attention: mask {tuple(mask.shape)} does not fit {(b, 1, s)}")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    mask = mask.contiguous().view(torch.uint8)
+    g = h // hkv
+    g_pad = max(16, triton.next_power_of_2(g))  # tl.dot's smallest tile
+    blocks = triton.cdiv(s, block_s)
+    if splits is None:
+        splits = max(1, min(blocks, triton.cdiv(SM_TARGET, b * hkv)))
+    s_len = triton.cdiv(blocks, splits) * block_s
+    splits = triton.cdiv(s, s_len)
+    acc = torch.empty(b, hkv, splits, g_pad, dv, dtype=torch.float32, device=q.device)
+    stat = torch.empty(b, hkv, splits, g_pad, 2, dtype=torch.float32, device=q.device)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # (bf16/fp16 dots ignore it)
+    _decode_attention_kernel[(b * hkv, splits)](
+        q, k, v, mask, acc, stat, s, scale, q.stride(0), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), mask.stride(0), HKV=hkv, SPLITS=splits, G=g, G_PAD=g_pad, D=d, DV=dv,
+        BLOCK_S=block_s, S_LEN=s_len, PRECISION=precision, num_warps=4)
+    return combine(acc[..., :g, :], stat[..., :g, 0], stat[..., :g, 1]).reshape(b, 1, h, dv).to(q.dtype)
+
+
+def combine(acc: Tensor, m: Tensor, z: Tensor) -> Tensor:
+    """Merge per-split softmax partials along dim 2: acc [..., splits, G, Dv] (unnormalized),
+    m/z [..., splits, G] (max, normalizer) -> [..., G, Dv]; zeros where no slot was visible."""
+    top = m.amax(2, keepdim=True)
+    w = torch.exp(m - top.masked_fill(top == float("-inf"), 0.0))  # 0 for splits that saw nothing
+    num = (acc * w[..., None]).sum(2)
+    den = (z * w).sum(2)
+    return torch.where(den[..., None] > 0, num / den.clamp(min=1e-30)[..., None], 0.0)
