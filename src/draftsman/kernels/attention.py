@@ -84,7 +84,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
-    mask = mask.contiguous().view(torch.uint8)
+    mask = mask.to(torch.uint8)  # (a bool -> uint8 view does not lower under torch.compile)
     g = h // hkv
     g_pad = max(16, triton.next_power_of_2(g))  # tl.dot's smallest tile
     blocks = triton.cdiv(s, block_s)
