@@ -41,7 +41,8 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, acc_ptr, stat_ptr, S, s
         s_ok = s < S
         k = tl.load(k_ptr + b * stride_kb + s[:, None] * stride_ks + hk * stride_kh + d[None, :],
                     mask=s_ok[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G_PAD, BLOCK_S] fp32
+        # [G_PAD, BLOCK_S] fp32 (scale arrives as fp64 from torch.compile: cast, or the loop state widens)
+        scores = (tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale).to(tl.float32)
         visible = tl.load(m_ptr + b * stride_mb + s, mask=s_ok, other=0) != 0
         scores = tl.where(visible[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
