@@ -13,6 +13,8 @@ Arms, all batch 1, greedy, one prompt of --prompt-len tokens then --new-tokens t
   *_autotune        a compiled arm in torch.compile's max-autotune-no-cudagraphs mode
   *_cublas          a graph arm with every GEMV on cuBLAS (default: batch-1 GEMVs on draftsman's
                     Triton GEMV, as inference models run; layers.use_gemv)
+  *_chained         fused decode layers as decode_chained (norms fed by the previous GEMV's sums
+                    of squares, SiLU * up in the gate/up epilogue; llama.FUSED_DECODE_CHAINED)
   *_sdpa            one-token attention through SDPA (default: draftsman's Triton decode-attention
                     kernel, kernels/attention.py; layers.DECODE_ATTENTION)
   *_unfused         Triton GEMVs, but without the fused decode layers (default for Llama: RMSNorm,
@@ -424,6 +426,7 @@ def main() -> None:
                     llama.attention = math_attention if "_math" in arm else sdpa_attention
                     use_gemv(model, "_cublas" not in arm)
                     llama.FUSED_DECODE = "_unfused" not in arm
+                    llama.FUSED_DECODE_CHAINED = "_chained" in arm
                     layers.DECODE_ATTENTION = "_sdpa" not in arm
                     if "_autotune" in arm:  # Triton GEMM templates with fused epilogues
                         os.environ["DRAFTSMAN_COMPILE_MODE"] = "max-autotune-no-cudagraphs"
@@ -434,6 +437,7 @@ def main() -> None:
                         llama.attention = sdpa_attention
                         use_gemv(model, True)
                         llama.FUSED_DECODE = True
+                        llama.FUSED_DECODE_CHAINED = False
                         layers.DECODE_ATTENTION = True
                         os.environ.pop("DRAFTSMAN_COMPILE_MODE", None)
                     del _runner, _cache

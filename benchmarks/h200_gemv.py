@@ -23,19 +23,20 @@ import torch.nn.functional as F
 from h200_decode import copy_bandwidth, cuda_time  # benchmarks/ is on sys.path when run as a script
 from h200_json import write_results
 
-from draftsman.kernels.gemv import gemv
+from draftsman.kernels.gemv import gemv, sum_squares_parts
 
 HIDDEN, INNER, VOCAB, LAYERS = 4096, 14336, 128256, 32
 SHAPES = {"qkv": (6144, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INNER, HIDDEN), "down": (HIDDEN, INNER),
           "lm_head": (VOCAB, HIDDEN)}
 CONFIGS = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s)
            for bn, bk, w, s in itertools.product((4, 8, 16), (256, 512, 1024), (4, 8), (2, 4))]
-# The fused decode layer's GEMVs (llama.LlamaDecoderLayer.decode_fused): RMSNorm prologue on q/k/v
-# and gate/up, residual epilogue on o, SwiGLU prologue + residual epilogue on down. Their
-# prologue work is repeated by every program, so wider BLOCK_N (fewer programs) may pay.
-FUSED = {"qkv": ("norm",), "o": ("residual",), "gate_up": ("norm",), "down": ("swiglu", "residual")}
+# The fused decode layer's GEMVs (llama.LlamaDecoderLayer.decode_fused): RMSNorm prologues on q/k/v
+# and gate/up that read the sums of squares the previous residual GEMV left ("norm_ss"), residual
+# epilogues on o and down that write them ("ss_out"), and gate/up rows combined by SiLU in the
+# gate/up epilogue ("glu", half the outputs). Their prologue work is repeated by every program.
+FUSED = {"qkv": ("norm_ss",), "o": ("residual", "ss_out"), "gate_up": ("norm_ss", "glu"), "down": ("residual", "ss_out")}
 FUSED_CONFIGS = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s)
-                 for bn, bk, w, s in itertools.product((8, 16, 32), (512, 1024), (4, 8), (2, 4))]
+                 for bn, bk, w, s in itertools.product((4, 8, 16, 32), (512, 1024), (4, 8), (2, 4))]
 
 
 def graph_of(calls) -> torch.cuda.CUDAGraph:
@@ -62,18 +63,25 @@ def split_for(n: int, block_n: int, sms: int) -> int:
 
 
 def fused_inputs(gen: torch.Generator) -> dict:
-    """Per fused shape: the GEMV's input row and its fusion arguments."""
+    """Per fused shape: the GEMV's input row and kw(config) -> its fusion arguments (buffers for
+    the sums of squares it writes depend on the config's block_n)."""
     out = {}
     for name, kinds in FUSED.items():
         n, k = SHAPES[name]
-        x = torch.randn(1, 2 * k if "swiglu" in kinds else k, device="cuda", dtype=torch.bfloat16, generator=gen)
-        kw: dict = {}
-        if "norm" in kinds:
-            kw["norm_weight"] = 1 + 0.1 * torch.randn(k, device="cuda", generator=gen).to(torch.bfloat16)
-        if "swiglu" in kinds:
-            kw["swiglu"] = True
+        n_out = n // 2 if "glu" in kinds else n
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        fixed: dict = {}
+        if "norm_ss" in kinds:  # as the 512 partials an 8-wide o/down GEMV leaves
+            fixed["norm_weight"] = 1 + 0.1 * torch.randn(k, device="cuda", generator=gen).to(torch.bfloat16)
+            fixed["norm_sum_squares"] = (x.float() ** 2).view(1, 512, -1).sum(-1)
+        if "glu" in kinds:
+            fixed["glu"] = True
         if "residual" in kinds:
-            kw["residual"] = torch.randn(1, n, device="cuda", dtype=torch.bfloat16, generator=gen)
+            fixed["residual"] = torch.randn(1, n_out, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+        def kw(cfg: dict, fixed=fixed, n_out=n_out, ss="ss_out" in kinds) -> dict:
+            parts = sum_squares_parts(n_out, cfg["block_n"])
+            return fixed | ({"sum_squares_out": torch.empty(1, parts, device="cuda")} if ss else {})
         out[name] = {"x": x, "kw": kw}
     return out
 
@@ -89,7 +97,8 @@ def sweep_fused(gen: torch.Generator, bw: float, res: dict) -> dict:
         trials = []
         for cfg in FUSED_CONFIGS:
             try:
-                t = time_calls([lambda w=w, c=cfg, spec=spec: gemv(spec["x"], w, **spec["kw"], **c) for w in ws])
+                kw = spec["kw"](cfg)
+                t = time_calls([lambda w=w, c=cfg, kw=kw, x=spec["x"]: gemv(x, w, **kw, **c) for w in ws])
             except Exception as e:  # e.g. out of registers for a wide config
                 trials.append(cfg | {"error": repr(e)[:200]})
                 continue
@@ -161,10 +170,10 @@ def main() -> None:
                                          else arms["cublas"])(name, w)
     if fused_best and all(fused_best.values()):  # the decode layer's fused GEMVs, each with its best config
         inputs = fused_inputs(gen)
+        cfgs = {name: {k: c[k] for k in ("block_n", "block_k", "num_warps", "num_stages")} for name, c in fused_best.items()}
+        kws = {name: inputs[name]["kw"](cfgs[name]) for name in cfgs}
         arms["triton_fused"] = lambda name, w: (
-            F.linear(x[name], w) if name == "lm_head" else
-            gemv(inputs[name]["x"], w, **inputs[name]["kw"], **{k: fused_best[name][k] for k in
-                                                                 ("block_n", "block_k", "num_warps", "num_stages")}))
+            F.linear(x[name], w) if name == "lm_head" else gemv(inputs[name]["x"], w, **kws[name], **cfgs[name]))
     for arm, fn in arms.items():
         g = graph_of([lambda name=name, w=w, fn=fn: fn(name, w) for name, w in weights])
         ms = min(cuda_time(g.replay, 5) for _ in range(3)) * 1e3

@@ -162,6 +162,38 @@ print("ok")
 """
 
 
+GEMV_CHAINED_INTERPRETED = """
+import torch
+import torch.nn.functional as F
+from draftsman.kernels.gemv import gemv, sum_squares_parts
+from draftsman.models.layers import RMSNorm
+g = torch.Generator().manual_seed(0)
+for m, n, k in ((1, 24, 64), (3, 20, 72)):
+    x, w2 = torch.randn(m, k, generator=g), torch.randn(2 * n, k, generator=g)
+    blocks = dict(block_n=8, block_k=16, num_warps=1)
+    gate, up = F.linear(x, w2[:n]), F.linear(x, w2[n:])
+    torch.testing.assert_close(gemv(x, w2, glu=True, **blocks), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    # a residual GEMV leaves its output's sums of squares; the next norm GEMV reads them
+    w, residual = torch.randn(k, n, generator=g), torch.randn(m, k, generator=g)
+    ss = torch.full((m, sum_squares_parts(k, 8)), float("nan"))
+    h = gemv(F.silu(gate) * up, w, residual=residual, sum_squares_out=ss, **blocks)
+    torch.testing.assert_close(ss.sum(1), (h * h).sum(1), rtol=1e-5, atol=1e-4)
+    norm = RMSNorm(k, eps=1e-5).requires_grad_(False)
+    norm.weight.copy_(torch.randn(k, generator=g))
+    torch.testing.assert_close(gemv(h, w2, norm_weight=norm.weight, eps=norm.eps, norm_sum_squares=ss, glu=True, **blocks),
+                               F.silu(F.linear(norm(h), w2[:n])) * F.linear(norm(h), w2[n:]), rtol=1e-4, atol=1e-4)
+print("ok")
+"""
+
+
+def test_gemv_chained_fusions_match_pytorch_interpreted():
+    """The GLU epilogue (gate and up rows in one program, F.silu(gate) * up out), and a residual
+    GEMV's sums of squares handed to the next norm GEMV in place of its pass over the input."""
+    proc = subprocess.run([sys.executable, "-c", GEMV_CHAINED_INTERPRETED], capture_output=True, text=True,
+                          timeout=600, env=os.environ | {"TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
 def test_gemv_fusions_match_pytorch_interpreted():
     """RMSNorm and SwiGLU prologues (with and without split K: the norm's sum of squares must
     cover the whole row) and the residual epilogue, on even and ragged shapes."""
@@ -253,7 +285,8 @@ def test_gemv_fusions_match_pytorch_on_cuda(m, fusion, wide):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fused_decode_layers_match_the_unfused_ones():
+@pytest.mark.parametrize("chained", [False, True])
+def test_fused_decode_layers_match_the_unfused_ones(chained, monkeypatch):
     """Batch-1 decode through LlamaDecoderLayer.decode_fused (GEMVs with RMSNorm, SwiGLU and
     residual folded in) against the same model with every product on cuBLAS, in a session."""
     import sys
@@ -262,9 +295,10 @@ def test_fused_decode_layers_match_the_unfused_ones():
     from geometries import LLAMA_31_8B
 
     from draftsman.config import parse_target_config
-    from draftsman.models import build_target
+    from draftsman.models import build_target, llama
     from draftsman.models.layers import use_gemv
 
+    monkeypatch.setattr(llama, "FUSED_DECODE_CHAINED", chained)
     raw = dict(LLAMA_31_8B, hidden_size=512, intermediate_size=1536, num_hidden_layers=3, num_attention_heads=8,
                num_key_value_heads=2, head_dim=64, vocab_size=1000)
     torch.manual_seed(0)
@@ -332,3 +366,45 @@ def test_decode_attention_matches_sdpa_on_cuda(b, s):
         scale=128 ** -0.5, enable_gqa=True).transpose(1, 2)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+FUSED_LAYERS_INTERPRETED = """
+import sys
+import torch
+sys.path.insert(0, "benchmarks")
+from geometries import LLAMA_31_8B
+from draftsman.config import parse_target_config
+from draftsman.models import build_target, llama
+from draftsman.models.layers import use_gemv
+raw = dict(LLAMA_31_8B, hidden_size=128, intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
+           num_key_value_heads=2, head_dim=32, vocab_size=300)
+torch.manual_seed(0)
+model = build_target(parse_target_config(raw)).eval().requires_grad_(False)
+for name, p in model.named_parameters():
+    if name.endswith("norm.weight"):
+        p.copy_(1 + 0.1 * torch.randn(p.shape))
+model.fuse_projections()
+use_gemv(model, True)
+ids = torch.randint(0, 300, (1, 10))
+llama.FUSED_DECODE_CHAINED = sys.argv[1] == "chained"
+logits = []
+for fused in (True, False):
+    llama.LlamaDecoderLayer.fused_decode = lambda self, x, on=fused: on and x.numel() == x.shape[-1]
+    cache = model.new_cache(1, 16)
+    model.run(ids[:, :6], cache=cache)
+    steps = [model.run(ids[:, i : i + 1], positions=torch.tensor([[i]]), cache=cache,
+                       cache_index=torch.tensor([[i]])).logits for i in range(6, 10)]
+    logits.append(torch.cat(steps, 1))
+torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("variant", ["fused", "chained"])
+def test_fused_decode_layers_match_the_unfused_ones_interpreted(variant):
+    """Batch-1 decode steps through LlamaDecoderLayer.decode_fused (fp32, Triton's interpreter)
+    against the layers' plain forward; `chained`: norms reading the sums of squares the previous
+    layer's GEMVs left, SiLU * up in the gate/up epilogue (decode_chained)."""
+    proc = subprocess.run([sys.executable, "-c", FUSED_LAYERS_INTERPRETED, variant], capture_output=True, text=True,
+                          timeout=600, env=os.environ | {"TRITON_INTERPRET": "1"}, cwd=Path(__file__).parents[1])
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]

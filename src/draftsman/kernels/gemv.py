@@ -27,9 +27,11 @@ def _load(ptrs, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, r_ptr, M, N, stride_xm, stride_wn, stride_ym, stride_rm, eps,
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, r_ptr, ssi_ptr, sso_ptr, M, N, stride_xm, stride_wn, stride_ym,
+                 stride_rm, stride_ssi, stride_sso, eps,
                  K: tl.constexpr, K_LEN: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                 EVEN: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr):
+                 EVEN: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr,
+                 GLU: tl.constexpr, SS_PARTS: tl.constexpr, SS_PAD: tl.constexpr, SS_OUT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -39,17 +41,26 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, r_ptr, M, N, stride_xm, stride_wn,
     dt = x_ptr.dtype.element_ty
     x_rows = x_ptr + m[:, None] * stride_xm
     if NORM:  # RMSNorm needs each row's sum of squares over all of K, not this split's share
-        sq = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
-        for j0 in range(0, K, BLOCK_K):
-            j = j0 + tl.arange(0, BLOCK_K)
-            xj = _load(x_rows + j[None, :], m_ok[:, None] & (j < K)[None, :], EVEN).to(tl.float32)
-            sq += xj * xj
-        rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)  # [ROWS]
+        if SS_PARTS > 0:  # ... summed from the partials the kernel that wrote x left (SS_OUT)
+            p = tl.arange(0, SS_PAD)
+            parts = tl.load(ssi_ptr + m[:, None] * stride_ssi + p[None, :], mask=m_ok[:, None] & (p < SS_PARTS)[None, :],
+                            other=0.0)
+            rstd = tl.rsqrt(tl.sum(parts, axis=1) / K + eps)  # [ROWS]
+        else:
+            sq = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+            for j0 in range(0, K, BLOCK_K):
+                j = j0 + tl.arange(0, BLOCK_K)
+                xj = _load(x_rows + j[None, :], m_ok[:, None] & (j < K)[None, :], EVEN).to(tl.float32)
+                sq += xj * xj
+            rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)  # [ROWS]
     acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if GLU:  # the up rows, N further down W, for the epilogue's F.silu(gate) * up
+        acc_up = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K_LEN, BLOCK_K):  # this split's share of K
         k = pid_k * K_LEN + k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
-        w = _load(w_ptr + n[:, None].to(tl.int64) * stride_wn + k[None, :], n_ok[:, None] & k_ok[None, :], EVEN)
+        w_ptrs = w_ptr + n[:, None].to(tl.int64) * stride_wn + k[None, :]
+        w = _load(w_ptrs, n_ok[:, None] & k_ok[None, :], EVEN)
         x_ptrs = x_rows + k[None, :]
         x_ok = m_ok[:, None] & k_ok[None, :]
         x = _load(x_ptrs, x_ok, EVEN)
@@ -61,33 +72,57 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, r_ptr, M, N, stride_xm, stride_wn,
             silu = (gate / (1.0 + tl.exp(-gate))).to(dt)
             x = (silu.to(tl.float32) * _load(x_ptrs + K, x_ok, EVEN).to(tl.float32)).to(dt)
         acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        if GLU:
+            w_up = _load(w_ptrs + N * stride_wn, n_ok[:, None] & k_ok[None, :], EVEN)
+            acc_up += x.to(tl.float32)[:, None, :] * w_up.to(tl.float32)[None, :, :]
     y = tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
     y_ptrs = y_ptr + m[:, None] * stride_ym + n[None, :]
     y_ok = m_ok[:, None] & n_ok[None, :]
     if SPLIT_K == 1:
-        y = y.to(y_ptr.dtype.element_ty)
+        dt_out = y_ptr.dtype.element_ty
+        y = y.to(dt_out)
+        if GLU:  # as F.silu(gate) * up over the rounded products: silu rounded, then the product
+            up = tl.sum(acc_up, axis=2).to(dt_out).to(tl.float32)
+            gate = y.to(tl.float32)
+            y = ((gate / (1.0 + tl.exp(-gate))).to(dt_out).to(tl.float32) * up).to(dt_out)
         if RESIDUAL:  # residual + out as PyTorch adds them: the product rounded, then the sum
             r = tl.load(r_ptr + m[:, None] * stride_rm + n[None, :], mask=y_ok, other=0.0)
-            y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(dt_out)
         tl.store(y_ptrs, y, mask=y_ok)
+        if SS_OUT:  # this block's share of each output row's sum of squares, for the next norm
+            yf = tl.where(y_ok, y.to(tl.float32), 0.0)
+            tl.store(sso_ptr + m * stride_sso + pid_n, tl.sum(yf * yf, axis=1), mask=m_ok)
     else:
         tl.atomic_add(y_ptrs, y, mask=y_ok)
 
 
 def gemv(x: Tensor, w: Tensor, block_n: int = 8, block_k: int = 1024, split_k: int = 1, num_warps: int = 4,
          num_stages: int | None = None, norm_weight: Tensor | None = None, eps: float = 1e-6, swiglu: bool = False,
-         residual: Tensor | None = None) -> Tensor:
+         residual: Tensor | None = None, glu: bool = False, norm_sum_squares: Tensor | None = None,
+         sum_squares_out: Tensor | None = None) -> Tensor:
     """x [M, K] @ w[N, K]ᵀ -> [M, N] in x's dtype, for small M (rows padded to a power of two
     inside the kernel). w must be contiguous along K. Fusions, with PyTorch's roundings:
     norm_weight [K]: RMSNorm(x) @ wᵀ, as layers.RMSNorm with this weight and eps;
+    norm_sum_squares [M, P] fp32: with norm_weight, x's sums of squares in P partials (another
+    gemv's sum_squares_out), instead of a pass over x in every program;
     swiglu: x is [M, 2K] = [gate | up] and the product is (F.silu(gate) * up) @ wᵀ;
-    residual [M, N]: residual + x @ wᵀ (split_k 1 only: split partials are summed atomically)."""
+    glu: w is [2N', K] = [gate | up] rows and the output [M, N'] is F.silu(x @ gateᵀ) * (x @ upᵀ);
+    residual [M, N]: residual + x @ wᵀ (split_k 1 only: split partials are summed atomically);
+    sum_squares_out [M, sum_squares_parts(N, block_n)] fp32: filled with each output row's sum of
+    squares, one partial per block of block_n outputs (for the next RMSNorm)."""
     if norm_weight is not None and swiglu:
         raise ValueError("gemv: norm_weight and swiglu cannot be fused together")
-    if residual is not None and split_k != 1:
-        raise ValueError("gemv: residual needs split_k=1 (split partials are added atomically)")
+    if split_k != 1 and (residual is not None or glu or sum_squares_out is not None):
+        raise ValueError("gemv: residual, glu and sum_squares_out need split_k=1 (split partials are added "
+                         "atomically)")
+    if norm_sum_squares is not None and norm_weight is None:
+        raise ValueError("gemv: norm_sum_squares is for the norm prologue: give norm_weight too")
     m = x.shape[0]
     n, k = w.shape
+    if glu:
+        if n % 2:
+            raise ValueError(f"gemv: glu needs w of [gate | up] rows, got {n} rows")
+        n //= 2
     if x.shape[1] != (2 * k if swiglu else k) or w.stride(1) != 1:
         raise ValueError(f"gemv: w {tuple(w.shape)} (strides {w.stride()}) does not fit x {tuple(x.shape)}"
                          f"{' (swiglu)' if swiglu else ''}")
@@ -97,6 +132,12 @@ def gemv(x: Tensor, w: Tensor, block_n: int = 8, block_k: int = 1024, split_k: i
     if residual is not None and (residual.shape != (m, n) or residual.dtype != x.dtype):
         raise ValueError(f"gemv: residual {tuple(residual.shape)} {residual.dtype} does not fit the output "
                          f"{(m, n)} {x.dtype}")
+    parts_out = sum_squares_parts(n, block_n)
+    for name, t, cols in (("norm_sum_squares", norm_sum_squares, None), ("sum_squares_out", sum_squares_out, parts_out)):
+        if t is not None and (t.dim() != 2 or t.shape[0] != m or t.dtype != torch.float32 or t.stride(1) != 1
+                              or (cols is not None and t.shape[1] != cols)):
+            raise ValueError(f"gemv: {name} {tuple(t.shape)} {t.dtype} does not fit {m} rows"
+                             f"{'' if cols is None else f' x {cols} partials'} (fp32, contiguous rows)")
     if num_stages is None:  # the fastest on the H200 for the 8B's shapes (benchmarks/h200_gemv.py)
         num_stages = 2 if k <= 4096 else 4
     x = x.contiguous()
@@ -108,12 +149,23 @@ def gemv(x: Tensor, w: Tensor, block_n: int = 8, block_k: int = 1024, split_k: i
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     else:
         y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, block_n), split_k)
-    _gemv_kernel[grid](x, w, y, nw, r, m, n, x.stride(0), w.stride(0), y.stride(0), r.stride(0), eps, K=k,
+    ssi = norm_sum_squares if norm_sum_squares is not None else y  # placeholders the kernel never reads ...
+    sso = sum_squares_out if sum_squares_out is not None else y  # ... or writes
+    parts_in = 0 if norm_sum_squares is None else norm_sum_squares.shape[1]
+    grid = (parts_out, split_k)
+    _gemv_kernel[grid](x, w, y, nw, r, ssi, sso, m, n, x.stride(0), w.stride(0), y.stride(0), r.stride(0),
+                       ssi.stride(0), sso.stride(0), eps, K=k,
                        K_LEN=triton.cdiv(k, split_k * block_k) * block_k, ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k,
                        SPLIT_K=split_k, EVEN=even, NORM=norm_weight is not None, SWIGLU=swiglu,
-                       RESIDUAL=residual is not None, num_warps=num_warps, num_stages=num_stages)
+                       RESIDUAL=residual is not None, GLU=glu, SS_PARTS=parts_in,
+                       SS_PAD=triton.next_power_of_2(max(parts_in, 1)), SS_OUT=sum_squares_out is not None,
+                       num_warps=num_warps, num_stages=num_stages)
     return y if split_k == 1 else y.to(x.dtype)
+
+
+def sum_squares_parts(n: int, block_n: int) -> int:
+    """Partials of a row's sum of squares that a gemv with N = n outputs writes (one per block)."""
+    return triton.cdiv(n, block_n)
 
 
 def fused_tiles(n: int, k: int) -> dict:

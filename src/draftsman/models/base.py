@@ -24,6 +24,9 @@ class AttnContext:
     mask: Tensor  # [B, T, S] bool: over the new tokens (no cache) or over cache slots
     cache: StaticCache | None = None
     cache_index: Tensor | None = None  # [B, T] slot each new token is written to
+    # Fused batch-1 decode layers (llama.LlamaDecoderLayer.decode_fused): partial sums of squares
+    # of the last layer's output row, which the next layer's norm reads instead of recomputing.
+    norm_ss: Tensor | None = None
 
 
 @dataclass

@@ -24,6 +24,10 @@ from draftsman.weights import SKIP
 # Batch-1 decode layers as four fused GEMV kernels where they apply (LlamaDecoderLayer.fused_decode);
 # False: every op separately (benchmarks compare both).
 FUSED_DECODE = True
+# ... as decode_chained (norms fed by the previous GEMV's sums of squares, SiLU * up in the gate/up
+# epilogue): tested in Triton's interpreter, not yet timed on the GPU against decode_fused; off
+# until benchmarks/h200_decode.py's `_chained` arms say it pays.
+FUSED_DECODE_CHAINED = False
 
 
 class LlamaAttention(nn.Module):
@@ -76,6 +80,7 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x: Tensor, ctx: AttnContext, layer: int) -> Tensor:
         if self.fused_decode(x):
             return self.decode_fused(x, ctx, layer)
+        ctx.norm_ss = None  # (they describe a fused layer's output, not this one's)
         x = x + self.self_attn(self.input_layernorm(x), ctx, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -93,6 +98,9 @@ class LlamaDecoderLayer(nn.Module):
         GEMV, the residual adds into the o and down GEMVs."""
         from draftsman.kernels.gemv import fused_tiles, gemv
 
+        if FUSED_DECODE_CHAINED:
+            return self.decode_chained(x, ctx, layer)
+        ctx.norm_ss = None
         attn, mlp, n1, n2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
         h = x.view(1, -1)
         w = attn.qkv_proj.weight
@@ -103,6 +111,26 @@ class LlamaDecoderLayer(nn.Module):
         gate_up = gemv(h, w, norm_weight=n2.weight, eps=n2.eps, **fused_tiles(*w.shape))
         w = mlp.down_proj.weight
         return gemv(gate_up, w, swiglu=True, residual=h, **fused_tiles(*w.shape)).view_as(x)
+
+    def decode_chained(self, x: Tensor, ctx: AttnContext, layer: int) -> Tensor:
+        """decode_fused's variant with less work repeated per program: SiLU(gate) * up in the
+        gate/up GEMV's epilogue (gate and up rows in one program), and the o and down GEMVs leave
+        their output row's sum of squares in partials, which the next norm reads instead of a
+        pass over its input (ctx.norm_ss carries them between layers)."""
+        from draftsman.kernels.gemv import fused_tiles, gemv, sum_squares_parts
+
+        attn, mlp, n1, n2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
+        h = x.view(1, -1)
+        ss = ctx.norm_ss if ctx.norm_ss is not None and ctx.norm_ss.device == x.device else None
+        w = attn.qkv_proj.weight
+        qkv = gemv(h, w, norm_weight=n1.weight, eps=n1.eps, norm_sum_squares=ss, **fused_tiles(*w.shape))
+        out = attn.attend(*qkv.view(*x.shape[:-1], -1).split(qkv_sizes(attn), dim=-1), ctx, layer)
+        ss = h.new_empty(1, sum_squares_parts(h.shape[1], 8), dtype=torch.float32)
+        h = gemv(out.view(1, -1), attn.o_proj.weight, residual=h, sum_squares_out=ss, block_n=8)
+        act = gemv(h, mlp.gate_up_proj.weight, norm_weight=n2.weight, eps=n2.eps, norm_sum_squares=ss, glu=True,
+                   block_n=4)
+        ctx.norm_ss = h.new_empty(1, sum_squares_parts(h.shape[1], 8), dtype=torch.float32)
+        return gemv(act, mlp.down_proj.weight, residual=h, sum_squares_out=ctx.norm_ss, block_n=8).view_as(x)
 
 
 class LlamaModel(TargetModel):
