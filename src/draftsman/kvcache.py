@@ -27,6 +27,7 @@ class StaticCache:
         if len(shapes) != 1:
             raise ValueError(f"cache buffers disagree on [layers, batch, slots]: {shapes}")
         self._base = dict(buffers)
+        self._padded: dict[int, tuple] = {}  # rows -> (buffers, per-layer views) of padded()
         self.buffers = dict(buffers)
         self.num_layers, self.batch_size, self.max_len = shapes.pop()
 
@@ -40,9 +41,7 @@ class StaticCache:
         # the whole [layers, ...] buffer, torch.compile turns each layer's in-place write into a
         # copy of that layer's slice and copies the whole buffer back at the end (tens of
         # microseconds per decode step on the GPU); given per-layer tensors, it writes in place.
-        self._buffers = buffers
-        with torch.enable_grad():  # views made under no_grad could not be written with grad on
-            self._layers = {name: [buf[i] for i in range(buf.shape[0])] for name, buf in buffers.items()}
+        self._buffers, self._layers = buffers, layer_views(buffers)
 
     @classmethod
     def allocate(
@@ -105,6 +104,7 @@ class StaticCache:
             new = base.new_zeros(base.shape[0], grown, *base.shape[2:])
             new[:, :b] = self.buffers[name]
             self._base[name] = new
+        self._padded.clear()
         self.buffers = {name: base[:, :b] for name, base in self._base.items()}
 
     @contextmanager
@@ -112,12 +112,15 @@ class StaticCache:
         """Present `rows` >= batch_size rows for one step (the extra rows are scratch: a graph
         captured for a padded batch serves every smaller batch in its bucket)."""
         self.reserve(rows)
-        saved = self.buffers, self.batch_size
-        self.buffers, self.batch_size = {n: b[:, :rows] for n, b in self._base.items()}, rows
+        saved = self._buffers, self._layers, self.batch_size
+        if rows not in self._padded:  # made once per size: a step's host time stays off the views
+            buffers = {n: b[:, :rows] for n, b in self._base.items()}
+            self._padded[rows] = buffers, layer_views(buffers)
+        (self._buffers, self._layers), self.batch_size = self._padded[rows], rows
         try:
             yield
         finally:
-            self.buffers, self.batch_size = saved
+            self._buffers, self._layers, self.batch_size = saved
 
     def append_rows(self, other: StaticCache) -> None:
         """Add the rows of `other` (same layers and length) after this cache's rows: requests
@@ -133,3 +136,9 @@ class StaticCache:
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+
+def layer_views(buffers: dict[str, Tensor]) -> dict[str, list[Tensor]]:
+    """Each buffer's per-layer views [batch, slots, ...]."""
+    with torch.enable_grad():  # views made under no_grad could not be written with grad on
+        return {name: [buf[i] for i in range(buf.shape[0])] for name, buf in buffers.items()}
