@@ -43,7 +43,9 @@ def main() -> None:
     for a in result["arms"]:
         by_batch.setdefault(str(a["batch_size"]), {})[a["arm"]] = {
             "tokens_per_s": a["tokens_per_s"], "speedup": a["speedup"], "accept_length": a["accept_length"],
-            "identical": a["identical"], "adaptive": a["adaptive"], "graph_captures": a["graph_captures"]}
+            "identical": a["identical"], "adaptive": a["adaptive"], "graph_captures": a["graph_captures"],
+            **{k: a[k] for k in ("duration_s", "session_steps", "time_in_steps_s", "joins", "time_in_joins_s",
+                                 "time_elsewhere_s")}}
     arms = [a for a in by_batch[str(result["batch_sizes"][0])] if a != "plain"]
     minimum = {a: min(b[a]["speedup"] for b in by_batch.values()) for a in arms}
     summary = {"device": result["device"], "dtype": result["dtype"], "dataset": args.dataset,

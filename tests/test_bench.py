@@ -75,6 +75,20 @@ ARM_KEYS = {"arm": str, "kind": str, "batch_size": int, "num_requests": int, "ou
 ARM_SCHEMA = {*ARM_KEYS, *bench.ARM_DEFAULTS, "spec"}
 
 
+def test_in_process_arms_split_their_time(inproc):
+    """duration_s = time in session steps + joins + elsewhere; at batch 1 every request joins
+    alone, and a round runs between joins."""
+    _, result, _ = inproc
+    for a in result["arms"]:
+        parts = a["time_in_steps_s"] + a["time_in_joins_s"] + a["time_elsewhere_s"]
+        assert abs(parts - a["duration_s"]) < 1e-6 and min(a["time_in_steps_s"], a["time_in_joins_s"]) > 0, a["arm"]
+        assert a["time_elsewhere_s"] >= 0 and a["session_steps"] >= 1
+        if a["batch_size"] == 1:
+            assert a["joins"] == a["num_requests"] == 5
+        else:
+            assert 2 <= a["joins"] <= 5  # the first three together, then as slots free
+
+
 def test_in_process_json_keys_and_types(inproc):
     _, result, _ = inproc
     for key, typ in TOP_KEYS.items():

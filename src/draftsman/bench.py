@@ -175,6 +175,7 @@ ARM_DEFAULTS = NO_ACCEPTANCE | {
     "acceptance_source": None, "speedup": None, "identical": None, "mismatched_requests": None,
     "weight_bytes_per_step": None, "decode_step_ms": None, "weight_bandwidth_gb_s": None,
     "bandwidth_fraction": None, "url": None, "adaptive": None, "graph_captures": None,
+    "session_steps": None, "time_in_steps_s": None, "joins": None, "time_in_joins_s": None, "time_elsewhere_s": None,
 }
 
 ADAPTIVE = "adaptive"  # the arm whose sessions pick a speculation shape (or none) per round
@@ -416,6 +417,7 @@ class SessionRun:
     requests: list[Request]
     duration_s: float
     steps: list[tuple[float, int]]  # (seconds, running rows) of each round
+    joins: list[tuple[float, int]]  # (seconds, requests) of each prefill of newcomers
 
 
 def drive_session(session: DecodeSession, requests: Sequence[Request], max_running: int,
@@ -426,6 +428,7 @@ def drive_session(session: DecodeSession, requests: Sequence[Request], max_runni
     queue = deque(requests)
     traces = {r.request_id: Trace(start=0.0) for r in requests}
     steps: list[tuple[float, int]] = []
+    joins: list[tuple[float, int]] = []
     t0 = clock()
     while queue or session.num_running:
         free = max_running - session.num_running
@@ -435,6 +438,7 @@ def drive_session(session: DecodeSession, requests: Sequence[Request], max_runni
             for r in batch:
                 traces[r.request_id].start = now
             events = session.add(batch)
+            joins.append((clock() - now, len(batch)))
         else:
             rows, before = session.num_running, clock()
             events = session.step()
@@ -452,7 +456,7 @@ def drive_session(session: DecodeSession, requests: Sequence[Request], max_runni
     duration = clock() - t0
     for r in requests:
         traces[r.request_id].output = list(r.state.tokens)
-    return SessionRun([traces[r.request_id] for r in requests], list(requests), duration, steps)
+    return SessionRun([traces[r.request_id] for r in requests], list(requests), duration, steps, joins)
 
 
 @dataclass(frozen=True)
@@ -489,6 +493,14 @@ def _requests(prompts: Sequence[Sequence[int]], workload: Workload, prefix: str 
             for i, p in enumerate(prompts)]
 
 
+def time_split(run: SessionRun) -> dict:
+    """Where a run's wall time went: session steps (rounds), joins (prefills of newcomers), and
+    the rest (emitting tokens, bookkeeping), in seconds and as counts."""
+    steps, joins = sum(t for t, _ in run.steps), sum(t for t, _ in run.joins)
+    return {"session_steps": len(run.steps), "time_in_steps_s": steps, "joins": len(run.joins), "time_in_joins_s": joins,
+            "time_elsewhere_s": run.duration_s - steps - joins}
+
+
 def full_steps(steps: Sequence[tuple[float, int]], batch_size: int) -> list[float]:
     """Step times at full occupancy when there are any (the steady state), else all of them."""
     full = [t for t, rows in steps if rows == batch_size]
@@ -518,7 +530,7 @@ def bench_in_process(target, drafter, specs: Sequence[SpecConfig], workload: Wor
             run = drive_session(session, _requests(workload.prompts, workload), bs, on_finish)
             arm = {"arm": arm_name(spec), "kind": "plain" if spec is None else "spec",
                    "spec": spec_dict(spec, specs), "batch_size": bs, **latency_summary(run.traces, run.duration_s),
-                   "graph_captures": captures(target, drafter) - before}
+                   "graph_captures": captures(target, drafter) - before, **time_split(run)}
             outputs = [t.output for t in run.traces]
             if spec is None:
                 plain_outputs = outputs

@@ -79,6 +79,9 @@ Output: a table, and with --json one JSON object as the last stdout line. Top-le
                         the roofline, on in-process plain arms
     graph_captures      in-process: CUDA graphs the arm captured while timed (each costs
                         several steps; 0 off CUDA, null in client mode)
+    session_steps, time_in_steps_s, joins, time_in_joins_s, time_elsewhere_s
+                        in-process: where duration_s went: rounds (session steps), prefills of
+                        newcomers joining the batch, and the rest (emitting tokens, bookkeeping)
 --plot DIR writes acceptance_per_position.png (bars per speculative arm, first batch size)
 and speedup_vs_batch_size.png (a line per speculative arm).
 """
