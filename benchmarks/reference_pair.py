@@ -30,8 +30,9 @@ def run_bench(flags: list[str], target: str | None = None, drafter: str | None =
         from draftsman import reference_pair
 
         target, drafter = (str(p) for p in reference_pair())
+    warmup = [] if "--warmup" in flags else ["--warmup", "2"]
     cmd = [sys.executable, "-m", "draftsman.cli", "bench", "--target", target, "--drafter", drafter,
-           "--seed", "0", "--warmup", "2", *flags, *(x for kv in SPECS.items() for x in kv), "--json"]
+           "--seed", "0", *warmup, *flags, *(x for kv in SPECS.items() for x in kv), "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
