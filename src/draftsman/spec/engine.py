@@ -198,20 +198,35 @@ class SpecSession(DecodeSession):
     def _plain_round(self) -> tuple[list[Event], list[int]]:
         """One target forward over the root, as plain decoding does; the (token, feature) pair
         it yields goes to the backlog instead of the drafter, so the round costs what a plain
-        step costs (the drafter catches up in one forward when speculation resumes)."""
+        step costs (the drafter catches up in one forward when speculation resumes). Greedy
+        rounds with static shapes run as one graph, as a plain session's step does."""
         st = self.tensors
-        n, root = st["n"], st["root"]
-        tree = VerifyTree(root[:, None], torch.full_like(root[:, None], -1), torch.zeros_like(root[:, None]))
-        logits, *aux = self._verify(tree, n)
-        nxt = self.sample_next(logits[:, 0], st, self.all_greedy)
-        feats = torch.cat(aux, -1).to(st["bk_feats"].dtype)
-        st["bk_tokens"] = torch.cat([st["bk_tokens"][:, 1:], nxt[:, None]], 1)
-        st["bk_feats"] = torch.cat([st["bk_feats"][:, 1:], feats], 1)
-        st["bk_count"] = (st["bk_count"] + 1).clamp(max=BACKLOG)
-        st["n"], st["root"] = n + 1, nxt
+        state = {k: st[k] for k in ("n", "root", "bk_tokens", "bk_feats", "bk_count")}
+        if self.static and self.all_greedy:
+            key = ("plain", self.aux_ids, self._t_span)
+            out = self.run_step(self.target, key, self._greedy_plain, [self.caches[0]], **state)
+            new = [x.clone() for x in out]  # (graph outputs: see _spec_round)
+        else:
+            new = self._plain_step(**state, sample=lambda logits: self.sample_next(logits, st, self.all_greedy))
+        nxt = new[1]
+        for k, v in zip(("n", "root", "bk_tokens", "bk_feats", "bk_count"), new, strict=True):
+            st[k] = v
         self._backlog = True
         # Not counted in the requests' acceptance statistics: they describe speculative rounds.
         return self._emit(range(len(self.rows)), [[t] for t in nxt.tolist()]), [0] * len(self.rows)
+
+    def _greedy_plain(self, **state: Tensor) -> tuple[Tensor, ...]:
+        return self._plain_step(**state, sample=lambda logits: logits.argmax(-1), graph=False)
+
+    def _plain_step(self, n: Tensor, root: Tensor, bk_tokens: Tensor, bk_feats: Tensor, bk_count: Tensor,
+                    sample, graph: bool = True) -> tuple[Tensor, ...]:
+        """The plain round's device work: (new n, next token, backlog tokens, features, count)."""
+        tree = VerifyTree(root[:, None], torch.full_like(root[:, None], -1), torch.zeros_like(root[:, None]))
+        logits, *aux = self._verify(tree, n) if graph else self._target_verify(**self._verify_inputs(tree, n))
+        nxt = sample(logits[:, 0])
+        feats = torch.cat(aux, -1).to(bk_feats.dtype)
+        return (n + 1, nxt, torch.cat([bk_tokens[:, 1:], nxt[:, None]], 1), torch.cat([bk_feats[:, 1:], feats], 1),
+                (bk_count + 1).clamp(max=BACKLOG))
 
     def _catch_up(self) -> None:
         """Extend the drafter over the backlog's pairs (right-aligned: the last one sits at
