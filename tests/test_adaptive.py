@@ -68,6 +68,39 @@ def test_noisy_acceptance_at_batch_1_does_not_drop_the_best_arm():
     assert 2.6 < policy.taus[CHAIN] < 3.8
 
 
+def feed_ready(policy, batch, costs, taus, rounds, ready):
+    """feed() with the session's readiness answer (arms whose graphs are captured)."""
+    chosen = []
+    for _ in range(rounds):
+        arm = policy.choose(batch, ready=lambda a: a in ready)
+        chosen.append(arm)
+        policy.observe(arm, batch, costs[arm], [taus[arm] - 1] * batch)
+    return chosen
+
+
+def test_policy_keeps_to_captured_arms_unless_a_capture_clearly_pays():
+    """A capture costs several rounds: re-measurements skip arms that would capture, a switch to
+    one needs capture_margin, and an arm that is not captured either (a new shape) is no reason
+    to stay."""
+    taus = {PLAIN: 1, CHAIN: 3, TREE: 5}
+    policy = AdaptivePolicy([CHAIN, TREE], explore_every=4, tau_alpha=1.0)
+    assert feed_ready(policy, 1, {PLAIN: 1.0, CHAIN: 1.5, TREE: 2.4}, taus, 3, ready={CHAIN})[0] == CHAIN
+    # TREE 4% faster than CHAIN but not captured: stay; re-measure only captured arms (CHAIN only)
+    chosen = feed_ready(policy, 1, {PLAIN: 1.0, CHAIN: 1.5, TREE: 2.4}, taus, 40, ready={CHAIN})
+    assert set(chosen) == {CHAIN}
+    # captured now: the usual margin applies
+    assert feed_ready(policy, 1, {PLAIN: 1.0, CHAIN: 1.5, TREE: 2.4}, taus, 3, ready={CHAIN, TREE})[-1] == TREE
+    # the current arm needs a capture too (a new span): take the best
+    policy = AdaptivePolicy([CHAIN, TREE], explore_every=1000, alpha=1.0, tau_alpha=1.0)
+    feed_ready(policy, 1, {PLAIN: 1.0, CHAIN: 1.5, TREE: 2.4}, taus, 4, ready={PLAIN, CHAIN, TREE})
+    assert policy.current[1] == TREE
+    assert policy.choose(1, ready=lambda a: False) == TREE  # nothing captured: no reason to move
+    policy.observe(CHAIN, 1, 1.0, [2])  # CHAIN at 1.44x TREE's rate: not worth a capture ...
+    assert policy.choose(1, ready=lambda a: a is TREE) == TREE
+    policy.observe(CHAIN, 1, 1.0, [4])  # ... at 2.4x it is
+    assert policy.choose(1, ready=lambda a: a is TREE) == CHAIN
+
+
 def test_untimed_rounds_count_acceptance_not_cost():
     """Rounds that captured a CUDA graph report no time: a capture must not make an arm look slow."""
     policy = AdaptivePolicy([CHAIN], explore_every=1000, alpha=1.0, tau_alpha=1.0)
@@ -120,7 +153,7 @@ class Scripted(AdaptivePolicy):
         self.schedule = list(schedule)
         self.log: list[tuple] = []
 
-    def choose(self, batch):
+    def choose(self, batch, ready=None):
         self.round += 1
         return self.schedule[min(self.round, len(self.schedule)) - 1]
 
@@ -186,6 +219,35 @@ def test_sampled_switching_session_runs_to_the_budget(pair):
     session = SpecSession(target, drafter, None, 80, seed=1, policy=Scripted(schedule))
     done = run_to_completion(session, prompts(), StopRules(max_new_tokens=40), SamplingParams(temperature=1.0, seed=1))
     assert all(len(r.state.tokens) == 40 and all(0 <= t < 8192 for t in r.state.tokens) for r in done)
+
+
+def test_session_knows_which_graphs_a_round_would_capture(pair, monkeypatch):
+    """What SpecSession._captured asks the graph tables for is what the round then runs: the
+    plain round's key, or the speculation round's (after the catch-up's, following plain rounds;
+    it stops at the first key not captured). Checked on CPU with the tables recording keys and
+    running steps eagerly."""
+    from draftsman.graphs import GraphTable
+    from draftsman.session import Request
+
+    used, asked = [], []
+    monkeypatch.setattr(GraphTable, "run", lambda self, key, fn, inputs: used.append(key) or fn(**inputs))
+    monkeypatch.setattr(GraphTable, "has", lambda self, key: asked.append(key) or False)
+    target, drafter = pair
+    schedule = [CHAIN, CHAIN, None, None, CHAIN, None, CHAIN]
+    session = SpecSession(target, drafter, None, 260, policy=Scripted(schedule))
+    session.static = session.pad = session.graphed = True
+    session.add([Request(i, p, StopRules(max_new_tokens=40)) for i, p in enumerate(prompts())])
+    caught_up = []
+    for arm in schedule:
+        used.clear(), asked.clear()
+        assert session._captured(arm) is False
+        session.step()
+        # the keys asked for (up to the first not captured) are the ones the round then ran
+        assert asked and asked == used[: len(asked)], arm
+        kinds = [key[0][0] for key in used]  # key = (kind, input shapes, cache identities)
+        assert kinds == ["plain"] if arm is None else kinds in (["round"], ["extend", "round"]), kinds
+        caught_up.append(kinds[0] == "extend")
+    assert caught_up == [False, False, False, False, True, False, True]  # after each plain stretch
 
 
 def test_session_wants_a_spec_or_a_policy(pair):

@@ -91,10 +91,11 @@ def graphs_enabled(device: torch.device) -> bool:
     return device.type == "cuda" and os.environ.get("DRAFTSMAN_CUDA_GRAPHS", "1") != "0"
 
 
-def signature(inputs: dict[str, Tensor], bound: Iterable[Tensor] = ()) -> tuple:
+def signature(inputs: dict[str, Tensor], bound: Iterable[Tensor] = (), rows: int | None = None) -> tuple:
     """Graph key part: input shapes/dtypes, and the identity (address, shape, strides) of tensors
-    the step writes or reads outside its inputs (cache buffers), which a graph holds by address."""
-    return (tuple((k, tuple(v.shape), v.dtype) for k, v in inputs.items()),
+    the step writes or reads outside its inputs (cache buffers), which a graph holds by address.
+    rows: the inputs' first dimension as it will be (padded), if not as it is."""
+    return (tuple((k, (v.shape[0] if rows is None else rows, *v.shape[1:]), v.dtype) for k, v in inputs.items()),
             tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in bound))
 
 
@@ -115,6 +116,10 @@ class GraphTable:
         self._pool: tuple | None = None
         self.captures = 0
         self.failed: dict[Hashable, str] = {}  # keys whose capture failed: run eagerly, with why
+
+    def has(self, key: Hashable) -> bool:
+        """Whether running `key` needs no capture (captured already, or known to run eagerly)."""
+        return key in self.runners or key in self.failed
 
     def run(self, key: Hashable, fn: Callable[..., Outputs], inputs: dict[str, Tensor]) -> Outputs:
         if key in self.failed:

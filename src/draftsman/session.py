@@ -162,19 +162,31 @@ class DecodeSession(abc.ABC):
             return fn(**inputs)  # eager, also for pipelines over several GPUs (ShardedCache)
         b = next(iter(inputs.values())).shape[0]
         p = pow2_ceil(b)  # batches run padded to a power of two: few graphs
+        key = self.graph_key(kind, caches, inputs) if self.graphed else None
         if p != b:
             inputs = {k: torch.cat([v, v[:1].expand(p - b, *v.shape[1:])]) for k, v in inputs.items()}
         with ExitStack() as stack:
             for c in caches:
                 stack.enter_context(c.padded(p))
-            if self.graphed:
-                key = (kind, *signature(inputs, [t for c in caches for t in c.buffers.values()]))
-                out = graph_table(module).run(key, fn, inputs)
-            else:
-                out = fn(**inputs)
+            out = graph_table(module).run(key, fn, inputs) if self.graphed else fn(**inputs)
         if p == b:
             return out
         return tuple(o[:b] for o in out) if isinstance(out, tuple) else out[:b]
+
+    def graph_key(self, kind: Hashable, caches: Sequence[StaticCache], inputs: dict[str, Tensor]) -> tuple:
+        """The graph-table key of run_step(kind, caches, **inputs): the kind, the inputs' shapes
+        with the batch padded to a power of two, and the padded cache buffers' identities."""
+        p = pow2_ceil(next(iter(inputs.values())).shape[0])
+        with ExitStack() as stack:
+            for c in caches:
+                stack.enter_context(c.padded(p))
+            return (kind, *signature(inputs, [t for c in caches for t in c.buffers.values()], rows=p))
+
+    def captured(self, module: torch.nn.Module, kind: Hashable, caches: Sequence[StaticCache],
+                 **inputs: Tensor) -> bool:
+        """Whether run_step(module, kind, fn, caches, **inputs) would replay without a capture
+        (True when the session is not graphed)."""
+        return not self.graphed or graph_table(module).has(self.graph_key(kind, caches, inputs))
 
     def _sampling_tensors(self, params: Sequence[SamplingParams]) -> dict[str, Tensor]:
         return {

@@ -13,12 +13,15 @@ before the policy trusts it; the best arm is then kept unless another beats it b
 `switch_margin`, and now and then the arm timed longest ago is tried again so estimates follow
 changes in the text (acceptance) or the load (cost): after `explore_every` rounds, then at
 doubling intervals (up to `max_explore_every`) while re-measuring changes no choice, since
-where speculation clearly loses every re-measurement is a loss.
+where speculation clearly loses every re-measurement is a loss. Shapes matter too: an arm not
+yet captured at the current batch bucket and attention span costs a CUDA graph capture (several
+rounds), so re-measurements pick only captured arms and a switch to an uncaptured one needs
+`capture_margin` (the session says which are captured).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from draftsman.graphs import pow2_ceil
@@ -53,6 +56,7 @@ class AdaptivePolicy:
     # hundreds of rounds (measured on the H200: adaptive at 0.85x while its arms ran 1.28x).
     tau_alpha: float = 0.05
     switch_margin: float = 0.03  # another arm must beat the current one by this fraction
+    capture_margin: float = 0.5  # ... this much if it needs a CUDA graph capture and the current one does not
     explore_every: int = 64  # rounds between re-measurements of the stalest arm, at first
     max_explore_every: int = 1024  # ... doubling up to this while they change nothing
     estimates: dict[tuple[int, Hashable], Estimate] = field(default_factory=dict)
@@ -80,22 +84,39 @@ class AdaptivePolicy:
         seconds, tau = self.estimate(arm, batch).seconds, 1.0 if arm is PLAIN else self.taus.get(arm)
         return None if seconds is None or tau is None else tau / seconds
 
-    def choose(self, batch: int) -> SpecConfig | None:
-        """The arm to run next at this batch size."""
+    def choose(self, batch: int, ready: Callable[[SpecConfig | None], bool] | None = None) -> SpecConfig | None:
+        """The arm to run next at this batch size. ready(arm): whether running it now needs no
+        CUDA graph capture (a capture costs several rounds, so re-measurements skip arms that
+        would capture, and a switch to one needs `capture_margin`); None: every arm is ready."""
         self.round += 1
+        is_ready = ready or (lambda arm: True)
         rates = {arm: self.rate(arm, batch) for arm in self.arms}
         untried = [arm for arm, r in rates.items() if r is None]
         if untried:  # time every arm in this bucket before choosing
-            return untried[0]
+            return next((arm for arm in untried if is_ready(arm)), untried[0])
         b = bucket(batch)
         interval = self._interval.setdefault(b, self.explore_every)
         if self.round >= self._next.setdefault(b, self.round + interval):
             self._next[b] = self.round + interval
-            self._probed[b] = self.current.get(b)
-            return min(rates, key=lambda arm: self.estimate(arm, batch).last_seen)
+            stale = sorted(rates, key=lambda arm: self.estimate(arm, batch).last_seen)
+            probes = [arm for arm in stale if arm != self.current.get(b) and is_ready(arm)]
+            if probes:  # (PLAIN is None: test the list, not the arm)
+                self._probed[b] = self.current.get(b)
+                return probes[0]
         best = max(rates, key=lambda arm: rates[arm])
-        current = self.current.get(b, best)
-        if rates[best] > rates[current] * (1 + self.switch_margin):
+        if b in self.current:
+            current = self.current[b]
+        else:  # the first choice in this bucket: from the captured arms, if any
+            captured = [arm for arm in rates if is_ready(arm)]
+            current = max(captured, key=lambda arm: rates[arm]) if captured else best
+        wins = rates[best] > rates[current] * (1 + self.switch_margin)
+        # Keep to captured shapes unless the gain clearly pays for a capture (the best captured
+        # arm may still win by the usual margin).
+        if (wins and rates[best] <= rates[current] * (1 + self.capture_margin) and is_ready(current)
+                and not is_ready(best)):
+            best = max((arm for arm in rates if arm == current or is_ready(arm)), key=lambda arm: rates[arm])
+            wins = rates[best] > rates[current] * (1 + self.switch_margin)
+        if wins:
             current = best
         if b in self._probed:  # the first choice after a re-measurement: back off if it changed nothing
             changed = self._probed.pop(b) != current

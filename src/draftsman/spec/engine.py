@@ -82,6 +82,7 @@ class SpecSession(DecodeSession):
         self.max_steps = max(c.steps for c in self.shapes)
         self.aux_ids = tuple(drafter.aux_layer_ids)
         self._backlog = False  # plain rounds ran since the drafter last caught up
+        self._t_span = self._d_span = None  # attention spans of the round being run (_set_spans)
         self._compiled_shapes: set = set()  # (arm, batch bucket) rounds run so far, with compile
 
     # ---- prefill ------------------------------------------------------------------------
@@ -124,7 +125,7 @@ class SpecSession(DecodeSession):
             span = self._d_span
             inputs = {"tokens": tokens, "feats": aux if isinstance(aux, Tensor) else torch.cat(aux, -1),
                       "positions": positions}
-            logits, h = (self.run_step(self.drafter, ("extend", span), step, [d_cache], **inputs) if graph
+            logits, h = (self.run_step(self.drafter, self._extend_key(), step, [d_cache], **inputs) if graph
                          else step(**inputs))
         rows = torch.arange(tokens.shape[0], device=tokens.device)
         return logits[rows, last], h[rows, last]
@@ -135,7 +136,7 @@ class SpecSession(DecodeSession):
             self._set_spans()
             return self._spec_round()[0]
         batch = len(self.rows)
-        arm = self.policy.choose(batch)
+        arm = self.policy.choose(batch, ready=self._captured)
         shape = (arm, pow2_ceil(batch))  # compiled forwards specialize on the padded batch
         compiling = self.compile and shape not in self._compiled_shapes
         self._compiled_shapes.add(shape)
@@ -155,6 +156,39 @@ class SpecSession(DecodeSession):
         self.policy.observe(arm, batch, None if untimed else seconds, accepted)
         return events
 
+    # Graph keys of the adaptive session's static-shape steps (its spans must be set).
+    def _round_key(self) -> tuple:
+        return ("round", self.spec, self.drafter, self._t_span, self._d_span)
+
+    def _plain_key(self) -> tuple:
+        return ("plain", self.aux_ids, self._t_span)
+
+    def _extend_key(self) -> tuple:
+        return ("extend", self._d_span)
+
+    def _captured(self, arm: SpecConfig | None) -> bool:
+        """Whether a round of `arm` now would replay CUDA graphs captured before (a capture costs
+        several rounds). Known for greedy static rounds; True otherwise (nothing to avoid)."""
+        if not (self.graphed and self.static and self.all_greedy):
+            return True
+        st, saved = self.tensors, (self.spec, self._t_span, self._d_span)
+        try:
+            if arm is None:
+                self._set_spans(plain=True)
+                keys = [(self.target, self._plain_key(), self.caches[:1], ("n", "root", "bk_tokens", "bk_feats", "bk_count"))]
+            else:
+                self.spec = arm
+                self._set_spans()
+                keys = [(self.target, self._round_key(), self.caches, ("n", "root", "d_logits", "d_hidden"))]
+                if self._backlog:  # the catch-up forward runs first, with these shapes
+                    inputs = {"tokens": st["bk_tokens"], "feats": st["bk_feats"], "positions": st["bk_tokens"]}
+                    if not self.captured(self.drafter, self._extend_key(), self.caches[1:], **inputs):
+                        return False
+            return all(self.captured(module, key, caches, **{k: st[k] for k in names})
+                       for module, key, caches, names in keys)
+        finally:
+            self.spec, self._t_span, self._d_span = saved
+
     def _set_spans(self, plain: bool = False) -> None:
         """The slots this round's static-shape steps attend over, target and drafter
         (DecodeSession.span): the verified tree (one node for a plain round) past the target's
@@ -173,7 +207,7 @@ class SpecSession(DecodeSession):
         state = {k: st[k] for k in ("n", "root", "d_logits", "d_hidden")}
         if self.static and self.all_greedy:
             # Greedy rounds have no host sync and fixed shapes: one graph for the whole round.
-            key = ("round", self.spec, self.drafter, self._t_span, self._d_span)
+            key = self._round_key()
             accept_len, emitted, *new = self.run_step(self.target, key, self._greedy_round, self.caches, **state)
         else:
             tree = self._draft_tree(state)
@@ -203,7 +237,7 @@ class SpecSession(DecodeSession):
         st = self.tensors
         state = {k: st[k] for k in ("n", "root", "bk_tokens", "bk_feats", "bk_count")}
         if self.static and self.all_greedy:
-            key = ("plain", self.aux_ids, self._t_span)
+            key = self._plain_key()
             out = self.run_step(self.target, key, self._greedy_plain, [self.caches[0]], **state)
             new = [x.clone() for x in out]  # (graph outputs: see _spec_round)
         else:
