@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 
 # Plain rounds (adaptive speculation off) a drafter can catch up on when speculation resumes.
 BACKLOG = 64
+# Per-row state a speculation round and a plain round (adaptive sessions) read and replace.
+ROUND_STATE = ("n", "root", "d_logits", "d_hidden")
+PLAIN_STATE = ("n", "root", "bk_tokens", "bk_feats", "bk_count")
 
 
 @dataclass(frozen=True)
@@ -175,11 +178,11 @@ class SpecSession(DecodeSession):
         try:
             if arm is None:
                 self._set_spans(plain=True)
-                keys = [(self.target, self._plain_key(), self.caches[:1], ("n", "root", "bk_tokens", "bk_feats", "bk_count"))]
+                keys = [(self.target, self._plain_key(), self.caches[:1], PLAIN_STATE)]
             else:
                 self.spec = arm
                 self._set_spans()
-                keys = [(self.target, self._round_key(), self.caches, ("n", "root", "d_logits", "d_hidden"))]
+                keys = [(self.target, self._round_key(), self.caches, ROUND_STATE)]
                 if self._backlog:  # the catch-up forward runs first, with these shapes
                     inputs = {"tokens": st["bk_tokens"], "feats": st["bk_feats"], "positions": st["bk_tokens"]}
                     if not self.captured(self.drafter, self._extend_key(), self.caches[1:], **inputs):
@@ -204,7 +207,7 @@ class SpecSession(DecodeSession):
 
     def _spec_round(self) -> tuple[list[Event], list[int]]:
         st = self.tensors
-        state = {k: st[k] for k in ("n", "root", "d_logits", "d_hidden")}
+        state = {k: st[k] for k in ROUND_STATE}
         if self.static and self.all_greedy:
             # Greedy rounds have no host sync and fixed shapes: one graph for the whole round.
             key = self._round_key()
@@ -235,7 +238,7 @@ class SpecSession(DecodeSession):
         step costs (the drafter catches up in one forward when speculation resumes). Greedy
         rounds with static shapes run as one graph, as a plain session's step does."""
         st = self.tensors
-        state = {k: st[k] for k in ("n", "root", "bk_tokens", "bk_feats", "bk_count")}
+        state = {k: st[k] for k in PLAIN_STATE}
         if self.static and self.all_greedy:
             key = self._plain_key()
             out = self.run_step(self.target, key, self._greedy_plain, [self.caches[0]], **state)
@@ -243,7 +246,7 @@ class SpecSession(DecodeSession):
         else:
             new = self._plain_step(**state, sample=lambda logits: self.sample_next(logits, st, self.all_greedy))
         nxt = new[1]
-        for k, v in zip(("n", "root", "bk_tokens", "bk_feats", "bk_count"), new, strict=True):
+        for k, v in zip(PLAIN_STATE, new, strict=True):
             st[k] = v
         self._backlog = True
         # Not counted in the requests' acceptance statistics: they describe speculative rounds.
