@@ -128,7 +128,7 @@ class SpecSession(DecodeSession):
             span = self._d_span
             inputs = {"tokens": tokens, "feats": aux if isinstance(aux, Tensor) else torch.cat(aux, -1),
                       "positions": positions}
-            logits, h = (self.run_step(self.drafter, self._extend_key(), step, [d_cache], **inputs) if graph
+            logits, h = (self.run_step(self.drafter, self._extend_key(span), step, [d_cache], **inputs) if graph
                          else step(**inputs))
         rows = torch.arange(tokens.shape[0], device=tokens.device)
         return logits[rows, last], h[rows, last]
@@ -159,58 +159,56 @@ class SpecSession(DecodeSession):
         self.policy.observe(arm, batch, None if untimed else seconds, accepted)
         return events
 
-    # Graph keys of the adaptive session's static-shape steps (its spans must be set).
-    def _round_key(self) -> tuple:
-        return ("round", self.spec, self.drafter, self._t_span, self._d_span)
+    # Graph keys of the static-shape steps, from the spec and spans they run with.
+    def _round_key(self, spec: SpecConfig, t_span: int | None, d_span: int | None) -> tuple:
+        return ("round", spec, self.drafter, t_span, d_span)
 
-    def _plain_key(self) -> tuple:
-        return ("plain", self.aux_ids, self._t_span)
+    def _plain_key(self, t_span: int | None) -> tuple:
+        return ("plain", self.aux_ids, t_span)
 
-    def _extend_key(self) -> tuple:
-        return ("extend", self._d_span)
+    @staticmethod
+    def _extend_key(d_span: int | None) -> tuple:
+        return ("extend", d_span)
 
     def _captured(self, arm: SpecConfig | None) -> bool:
         """Whether a round of `arm` now would replay CUDA graphs captured before (a capture costs
         several rounds). Known for greedy static rounds; True otherwise (nothing to avoid)."""
         if not (self.graphed and self.static and self.all_greedy):
             return True
-        st, saved = self.tensors, (self.spec, self._t_span, self._d_span)
-        try:
-            if arm is None:
-                self._set_spans(plain=True)
-                keys = [(self.target, self._plain_key(), self.caches[:1], PLAIN_STATE)]
-            else:
-                self.spec = arm
-                self._set_spans()
-                keys = [(self.target, self._round_key(), self.caches, ROUND_STATE)]
-                if self._backlog:  # the catch-up forward runs first, with these shapes
-                    inputs = {"tokens": st["bk_tokens"], "feats": st["bk_feats"], "positions": st["bk_tokens"]}
-                    if not self.captured(self.drafter, self._extend_key(), self.caches[1:], **inputs):
-                        return False
-            return all(self.captured(module, key, caches, **{k: st[k] for k in names})
-                       for module, key, caches, names in keys)
-        finally:
-            self.spec, self._t_span, self._d_span = saved
+        st = self.tensors
+        t_span, d_span = self._spans(self.spec if arm is None else arm, plain=arm is None)
+        if arm is None:
+            steps = [(self.target, self._plain_key(t_span), self.caches[:1], PLAIN_STATE)]
+        else:
+            steps = [(self.target, self._round_key(arm, t_span, d_span), self.caches, ROUND_STATE)]
+            if self._backlog:  # the catch-up forward runs first, with these shapes
+                inputs = {"tokens": st["bk_tokens"], "feats": st["bk_feats"], "positions": st["bk_tokens"]}
+                if not self.captured(self.drafter, self._extend_key(d_span), self.caches[1:], **inputs):
+                    return False
+        return all(self.captured(module, key, caches, **{k: st[k] for k in names})
+                   for module, key, caches, names in steps)
 
-    def _set_spans(self, plain: bool = False) -> None:
-        """The slots this round's static-shape steps attend over, target and drafter
+    def _spans(self, spec: SpecConfig, plain: bool = False) -> tuple[int | None, int | None]:
+        """The slots a round's static-shape steps attend over, target and drafter
         (DecodeSession.span): the verified tree (one node for a plain round) past the target's
         rows; the drafter's scratch, its extension and any catch-up padding past its rows. None
         without static shapes: masks then cover just the slots in use."""
         if not self.static:
-            self._t_span = self._d_span = None
-            return
-        c = self.spec
-        self._t_span = self.span(self.caches[0], 1 if plain else c.draft_tokens)
-        scratch = (c.steps - 1) * c.topk + c.steps + 1
-        self._d_span = self.span(self.caches[1], max(scratch, BACKLOG if self.policy is not None else 0))
+            return None, None
+        scratch = (spec.steps - 1) * spec.topk + spec.steps + 1
+        return (self.span(self.caches[0], 1 if plain else spec.draft_tokens),
+                self.span(self.caches[1], max(scratch, BACKLOG if self.policy is not None else 0)))
+
+    def _set_spans(self, plain: bool = False) -> None:
+        """This round's spans (_spans of its spec)."""
+        self._t_span, self._d_span = self._spans(self.spec, plain)
 
     def _spec_round(self) -> tuple[list[Event], list[int]]:
         st = self.tensors
         state = {k: st[k] for k in ROUND_STATE}
         if self.static and self.all_greedy:
             # Greedy rounds have no host sync and fixed shapes: one graph for the whole round.
-            key = self._round_key()
+            key = self._round_key(self.spec, self._t_span, self._d_span)
             accept_len, emitted, *new = self.run_step(self.target, key, self._greedy_round, self.caches, **state)
         else:
             tree = self._draft_tree(state)
@@ -240,7 +238,7 @@ class SpecSession(DecodeSession):
         st = self.tensors
         state = {k: st[k] for k in PLAIN_STATE}
         if self.static and self.all_greedy:
-            key = self._plain_key()
+            key = self._plain_key(self._t_span)
             out = self.run_step(self.target, key, self._greedy_plain, [self.caches[0]], **state)
             new = [x.clone() for x in out]  # (graph outputs: see _spec_round)
         else:
