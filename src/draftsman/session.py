@@ -11,8 +11,8 @@ and `step` (continuous batching).
 from __future__ import annotations
 
 import abc
-from collections.abc import Hashable, Sequence
-from contextlib import ExitStack
+from collections.abc import Hashable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +56,21 @@ class Request:
 
     def __post_init__(self) -> None:
         self.state = RowState(self.rules)
+
+
+@contextmanager
+def padded(caches: Sequence[StaticCache], rows: int) -> Iterator[None]:
+    """Every cache presenting `rows` rows (StaticCache.padded)."""
+    with ExitStack() as stack:
+        for c in caches:
+            stack.enter_context(c.padded(rows))
+        yield
+
+
+def padded_key(kind: Hashable, caches: Sequence[StaticCache], inputs: dict[str, Tensor], rows: int | None = None) -> tuple:
+    """A step's graph-table key inside padded(caches, ...): its kind, the inputs' shapes (the
+    batch as `rows` if given) and the cache buffers' identities."""
+    return (kind, *signature(inputs, [t for c in caches for t in c.buffers.values()], rows=rows))
 
 
 class DecodeSession(abc.ABC):
@@ -162,25 +177,23 @@ class DecodeSession(abc.ABC):
             return fn(**inputs)  # eager, also for pipelines over several GPUs (ShardedCache)
         b = next(iter(inputs.values())).shape[0]
         p = pow2_ceil(b)  # batches run padded to a power of two: few graphs
-        key = self.graph_key(kind, caches, inputs) if self.graphed else None
         if p != b:
             inputs = {k: torch.cat([v, v[:1].expand(p - b, *v.shape[1:])]) for k, v in inputs.items()}
-        with ExitStack() as stack:
-            for c in caches:
-                stack.enter_context(c.padded(p))
-            out = graph_table(module).run(key, fn, inputs) if self.graphed else fn(**inputs)
+        with padded(caches, p):
+            if self.graphed:
+                out = graph_table(module).run(padded_key(kind, caches, inputs), fn, inputs)
+            else:
+                out = fn(**inputs)
         if p == b:
             return out
         return tuple(o[:b] for o in out) if isinstance(out, tuple) else out[:b]
 
     def graph_key(self, kind: Hashable, caches: Sequence[StaticCache], inputs: dict[str, Tensor]) -> tuple:
-        """The graph-table key of run_step(kind, caches, **inputs): the kind, the inputs' shapes
-        with the batch padded to a power of two, and the padded cache buffers' identities."""
+        """The graph-table key of run_step(kind, caches, **inputs), whose batch it pads to a
+        power of two."""
         p = pow2_ceil(next(iter(inputs.values())).shape[0])
-        with ExitStack() as stack:
-            for c in caches:
-                stack.enter_context(c.padded(p))
-            return (kind, *signature(inputs, [t for c in caches for t in c.buffers.values()], rows=p))
+        with padded(caches, p):
+            return padded_key(kind, caches, inputs, rows=p)
 
     def captured(self, module: torch.nn.Module, kind: Hashable, caches: Sequence[StaticCache],
                  **inputs: Tensor) -> bool:
