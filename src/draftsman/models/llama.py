@@ -100,7 +100,6 @@ class LlamaDecoderLayer(nn.Module):
 
         if FUSED_DECODE_CHAINED:
             return self.decode_chained(x, ctx, layer)
-        ctx.norm_ss = None
         attn, mlp, n1, n2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
         h = x.view(1, -1)
         w = attn.qkv_proj.weight
