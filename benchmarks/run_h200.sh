@@ -23,9 +23,9 @@ step() {  # step NAME SECONDS CMD...: run with a deadline, log rc and wall time
 }
 # (only the files with GPU tests: the GPU machine has no server dependencies)
 step gpu_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_graphs.py tests/test_kernels.py tests/test_load_gpu.py
-step gemv 200 python3 benchmarks/h200_gemv.py --out "$OUT/gemv_8b.json"
 step decode_8b 240 python3 benchmarks/h200_decode.py --arms graph_compiled,graph_compiled_chained,graph_eager \
   --profile --out "$OUT/decode_8b.json" --h200-json "$H"
+step gemv 200 python3 benchmarks/h200_gemv.py --out "$OUT/gemv_8b.json"
 step batch 240 python3 benchmarks/h200_batch.py --out "$OUT/batch.json" --h200-json "$H"
 step rounds_8b 150 python3 benchmarks/h200_decode.py --arms rounds --batches 1,4,16,64 \
   --out "$OUT/rounds_8b.json" --h200-json "$H"
