@@ -267,11 +267,11 @@ def draft_costs(model, sizes, ctx_len: int, compiled: bool) -> dict:
 # (steps, topk, draft tokens); tree64_s4: a 64-token tree of depth 4, for the bytes a round reads
 # (each draft step reads the whole drafter, ~0.05 of the 8B's weights)
 ROUND_SPECS = {"chain6": (5, 1, 6), "tree16": (5, 4, 16), "tree32": (6, 6, 32), "tree64": (7, 8, 64),
-               "tree64_s4": (4, 8, 64)}
+               "tree64_s4": (4, 8, 64), "tree64_s3": (3, 8, 64)}
 
 
 def round_costs(model, ctx_len: int, batches=(1,), rounds: int = 20, compile: bool = False,
-                names: list[str] | None = None) -> dict:
+                names: list[str] | None = None, progress=None) -> dict:
     """ms of one engine step (plain: a decode step; spec: a whole round, draft + verify + accept +
     drafter extension, greedy so the round is one graph) with an 8B-shaped drafter, per batch
     size: the mean over `rounds` steady session.step() calls, each timed by the host clock and
@@ -280,7 +280,8 @@ def round_costs(model, ctx_len: int, batches=(1,), rounds: int = 20, compile: bo
     steps continue past captures until `rounds` steady ones are timed; `captures_skipped`
     counts the others. Speculation's break-even tau at a batch size is its round time over the
     plain step time. compile: the sessions' torch.compile'd forwards. names: ROUND_SPECS keys to
-    run (default all; each new verify/draft shape compiles for a minute at 8B)."""
+    run (default all; each new verify/draft shape compiles for a minute at 8B). progress(dict):
+    called with the figures so far after each arm (a deadline may cut the run)."""
     from draftsman.generate import StopRules
     from draftsman.graphs import captures
     from draftsman.models.eagle3 import init_drafter
@@ -324,6 +325,8 @@ def round_costs(model, ctx_len: int, batches=(1,), rounds: int = 20, compile: bo
                 raise RuntimeError(f"{name}: only {len(times)} steady steps in {limit}")
             ms[name] = sum(times) / len(times) * 1e3
             del session
+            if progress is not None:
+                progress({"batch": b, "ms": dict(ms), "captures_skipped": dict(skipped)})
         out[str(b)] = {"ms": ms, "over_plain_step": {k: v / ms["plain"] for k, v in ms.items() if k != "plain"},
                        "captures_skipped": skipped}
     single = out[str(batches[0])]
@@ -446,8 +449,12 @@ def main() -> None:
                 elif arm == "verify":
                     r = {"compiled": best_compiled, "ms": verify_costs(model, [1, 6, 16, 32, 64], ctx, best_compiled)}
                 elif arm == "rounds":
+                    def partial(figures: dict) -> None:
+                        res["arms"]["rounds_partial"] = figures
+                        save()
                     r = round_costs(model, ctx, [int(b) for b in args.batches.split(",")], compile=args.compile_rounds,
-                                    names=args.round_specs.split(",") if args.round_specs else None)
+                                    names=args.round_specs.split(",") if args.round_specs else None, progress=partial)
+                    res["arms"].pop("rounds_partial", None)
                     r["compiled"] = args.compile_rounds
                 elif arm == "draft":
                     r = {"compiled": best_compiled} | draft_costs(model, [1, 4, 6, 8], ctx, best_compiled)

@@ -32,7 +32,7 @@ step rounds_8b 150 python3 benchmarks/h200_decode.py --arms rounds --batches 1,4
 step decode_moonlight 240 python3 benchmarks/h200_decode.py --geometry moonlight-16b-a3b \
   --arms graph_compiled,rounds --profile --out "$OUT/decode_moonlight.json" --h200-json "$H"
 step rounds_8b_compiled 500 python3 benchmarks/h200_decode.py --arms rounds --compile-rounds \
-  --round-specs tree64,tree64_s4 --out "$OUT/rounds_8b_compiled.json"
+  --round-specs tree64,tree64_s4,tree64_s3 --out "$OUT/rounds_8b_compiled.json"
 step decode_8b_autotune 500 python3 benchmarks/h200_decode.py --arms graph_compiled_autotune \
   --out "$OUT/decode_8b_autotune.json" --h200-json "$H"
 step load 200 python3 benchmarks/h200_load.py --out "$OUT/load_8b.json"
