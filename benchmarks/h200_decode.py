@@ -15,6 +15,8 @@ Arms, all batch 1, greedy, one prompt of --prompt-len tokens then --new-tokens t
                     Triton GEMV, as inference models run; layers.use_gemv)
   *_chained         fused decode layers as decode_chained (norms fed by the previous GEMV's sums
                     of squares, SiLU * up in the gate/up epilogue; llama.FUSED_DECODE_CHAINED)
+  *_chained_gu_F    ... with the gate/up GEMV folding only F of the norm and SiLU * up (F: norm,
+                    glu, norm-glu or none; the rest apart; llama.CHAINED_GATE_UP)
   *_sdpa            one-token attention through SDPA (default: draftsman's Triton decode-attention
                     kernel, kernels/attention.py; layers.DECODE_ATTENTION)
   *_unfused         Triton GEMVs, but without the fused decode layers (default for Llama: RMSNorm,
@@ -430,6 +432,9 @@ def main() -> None:
                     use_gemv(model, "_cublas" not in arm)
                     llama.FUSED_DECODE = "_unfused" not in arm
                     llama.FUSED_DECODE_CHAINED = "_chained" in arm
+                    if "_gu_" in arm:
+                        fold = arm.split("_gu_")[1].split("_")[0]
+                        llama.CHAINED_GATE_UP = () if fold == "none" else tuple(fold.split("-"))
                     layers.DECODE_ATTENTION = "_sdpa" not in arm
                     if "_autotune" in arm:  # Triton GEMM templates with fused epilogues
                         os.environ["DRAFTSMAN_COMPILE_MODE"] = "max-autotune-no-cudagraphs"
@@ -441,6 +446,7 @@ def main() -> None:
                         use_gemv(model, True)
                         llama.FUSED_DECODE = True
                         llama.FUSED_DECODE_CHAINED = False
+                        llama.CHAINED_GATE_UP = ("norm", "glu")
                         layers.DECODE_ATTENTION = True
                         os.environ.pop("DRAFTSMAN_COMPILE_MODE", None)
                     del _runner, _cache

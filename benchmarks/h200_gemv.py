@@ -35,6 +35,11 @@ CONFIGS = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s)
 # epilogues on o and down that write them ("ss_out"), and gate/up rows combined by SiLU in the
 # gate/up epilogue ("glu", half the outputs). Their prologue work is repeated by every program.
 FUSED = {"qkv": ("norm_ss",), "o": ("residual", "ss_out"), "gate_up": ("norm_ss", "glu"), "down": ("residual", "ss_out")}
+# Other splits of the MLP's small ops between its two GEMVs (llama.CHAINED_GATE_UP): gate/up with
+# only one of its fusions, or none of them and SiLU * up in the down GEMV's prologue ("swiglu");
+# "norm": the prologue's own pass over x for the sum of squares. name -> (shape, fusions).
+FUSED_VARIANTS = {"gate_up[glu]": ("gate_up", ("glu",)), "gate_up[norm_ss]": ("gate_up", ("norm_ss",)),
+                  "gate_up[norm]": ("gate_up", ("norm",)), "down[swiglu]": ("down", ("swiglu", "residual", "ss_out"))}
 FUSED_CONFIGS = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s)
                  for bn, bk, w, s in itertools.product((4, 8, 16, 32), (512, 1024), (4, 8), (2, 4))]
 
@@ -66,14 +71,17 @@ def fused_inputs(gen: torch.Generator) -> dict:
     """Per fused shape: the GEMV's input row and kw(config) -> its fusion arguments (buffers for
     the sums of squares it writes depend on the config's block_n)."""
     out = {}
-    for name, kinds in FUSED.items():
-        n, k = SHAPES[name]
+    for name, (shape, kinds) in ({k: (k, v) for k, v in FUSED.items()} | FUSED_VARIANTS).items():
+        n, k = SHAPES[shape]
         n_out = n // 2 if "glu" in kinds else n
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        x = torch.randn(1, 2 * k if "swiglu" in kinds else k, device="cuda", dtype=torch.bfloat16, generator=gen)
         fixed: dict = {}
-        if "norm_ss" in kinds:  # as the 512 partials an 8-wide o/down GEMV leaves
+        if "norm_ss" in kinds or "norm" in kinds:
             fixed["norm_weight"] = 1 + 0.1 * torch.randn(k, device="cuda", generator=gen).to(torch.bfloat16)
+        if "norm_ss" in kinds:  # as the 512 partials an 8-wide o/down GEMV leaves
             fixed["norm_sum_squares"] = (x.float() ** 2).view(1, 512, -1).sum(-1)
+        if "swiglu" in kinds:
+            fixed["swiglu"] = True
         if "glu" in kinds:
             fixed["glu"] = True
         if "residual" in kinds:
@@ -82,15 +90,16 @@ def fused_inputs(gen: torch.Generator) -> dict:
         def kw(cfg: dict, fixed=fixed, n_out=n_out, ss="ss_out" in kinds) -> dict:
             parts = sum_squares_parts(n_out, cfg["block_n"])
             return fixed | ({"sum_squares_out": torch.empty(1, parts, device="cuda")} if ss else {})
-        out[name] = {"x": x, "kw": kw}
+        out[name] = {"x": x, "kw": kw, "shape": shape, "fusions": kinds}
     return out
 
 
 def sweep_fused(gen: torch.Generator, bw: float, res: dict) -> dict:
-    """Time the fused GEMVs over FUSED_CONFIGS (weight copies as for the plain sweep)."""
+    """Time the fused GEMVs (FUSED, then FUSED_VARIANTS) over FUSED_CONFIGS (weight copies as for
+    the plain sweep); returns the best config of each."""
     inputs, best = fused_inputs(gen), {}
     for name, spec in inputs.items():
-        n, k = SHAPES[name]
+        n, k = SHAPES[spec["shape"]]
         nbytes = n * k * 2
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
               for _ in range(max(2, -(-(1 << 30) // nbytes)))]
@@ -105,8 +114,12 @@ def sweep_fused(gen: torch.Generator, bw: float, res: dict) -> dict:
             trials.append(cfg | {"us": t * 1e6, "fraction_of_copy_bw": nbytes / t / bw})
         ok = sorted((tr for tr in trials if "us" in tr), key=lambda tr: tr["us"])
         best[name] = ok[0] if ok else None
-        res["shapes"][name]["fused"] = {"fusions": list(FUSED[name]), "best": best[name], "trials": ok[:5],
-                                        "failed": [tr for tr in trials if "error" in tr][:3]}
+        row = {"fusions": list(spec["fusions"]), "best": best[name], "trials": ok[:5],
+               "failed": [tr for tr in trials if "error" in tr][:3]}
+        if name in FUSED:
+            res["shapes"].setdefault(name, {})["fused"] = row
+        else:
+            res.setdefault("fused_variants", {})[name] = row
         print(name, "fused", best[name], flush=True)
         del ws
     return best
@@ -115,6 +128,7 @@ def sweep_fused(gen: torch.Generator, bw: float, res: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=1, help="rows of x (decode batch)")
+    ap.add_argument("--fused-only", action="store_true", help="only the fused GEMVs' sweep (no plain sweep, no chain)")
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -125,6 +139,11 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = {k: torch.randn(args.rows, kk, device="cuda", dtype=torch.bfloat16, generator=gen) for k, (_, kk) in SHAPES.items()}
     best: dict = {}
+    if args.fused_only:
+        sweep_fused(gen, bw, res)
+        write_results(args.out, res)
+        print(json.dumps(res))
+        return
     for name, (n, k) in SHAPES.items():
         nbytes = n * k * 2
         copies = max(2, -(-(1 << 30) // nbytes))
@@ -168,6 +187,7 @@ def main() -> None:
                                                             ("block_n", "block_k", "num_warps", "num_stages", "split_k")})
         arms["mixed"] = lambda name, w: (arms["triton"] if best[name]["us"] < res["shapes"][name]["cublas"]["us"]
                                          else arms["cublas"])(name, w)
+    fused_best = {name: c for name, c in fused_best.items() if name in FUSED}
     if fused_best and all(fused_best.values()):  # the decode layer's fused GEMVs, each with its best config
         inputs = fused_inputs(gen)
         cfgs = {name: {k: c[k] for k in ("block_n", "block_k", "num_warps", "num_stages")} for name, c in fused_best.items()}

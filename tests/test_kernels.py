@@ -285,7 +285,7 @@ def test_gemv_fusions_match_pytorch_on_cuda(m, fusion, wide):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("chained", [False, True])
+@pytest.mark.parametrize("chained", [False, True, ("glu",), ()])
 def test_fused_decode_layers_match_the_unfused_ones(chained, monkeypatch):
     """Batch-1 decode through LlamaDecoderLayer.decode_fused (GEMVs with RMSNorm, SwiGLU and
     residual folded in) against the same model with every product on cuBLAS, in a session."""
@@ -298,7 +298,9 @@ def test_fused_decode_layers_match_the_unfused_ones(chained, monkeypatch):
     from draftsman.models import build_target, llama
     from draftsman.models.layers import use_gemv
 
-    monkeypatch.setattr(llama, "FUSED_DECODE_CHAINED", chained)
+    monkeypatch.setattr(llama, "FUSED_DECODE_CHAINED", chained is not False)
+    if isinstance(chained, tuple):
+        monkeypatch.setattr(llama, "CHAINED_GATE_UP", chained)
     raw = dict(LLAMA_31_8B, hidden_size=512, intermediate_size=1536, num_hidden_layers=3, num_attention_heads=8,
                num_key_value_heads=2, head_dim=64, vocab_size=1000)
     torch.manual_seed(0)
@@ -386,7 +388,9 @@ for name, p in model.named_parameters():
 model.fuse_projections()
 use_gemv(model, True)
 ids = torch.randint(0, 300, (1, 10))
-llama.FUSED_DECODE_CHAINED = sys.argv[1] == "chained"
+llama.FUSED_DECODE_CHAINED = sys.argv[1].startswith("chained")
+if ":" in sys.argv[1]:
+    llama.CHAINED_GATE_UP = tuple(f for f in sys.argv[1].split(":")[1].split("+") if f)
 logits = []
 for fused in (True, False):
     llama.LlamaDecoderLayer.fused_decode = lambda self, x, on=fused: on and x.numel() == x.shape[-1]
@@ -400,11 +404,12 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("variant", ["fused", "chained"])
+@pytest.mark.parametrize("variant", ["fused", "chained", "chained:glu", "chained:norm", "chained:"])
 def test_fused_decode_layers_match_the_unfused_ones_interpreted(variant):
     """Batch-1 decode steps through LlamaDecoderLayer.decode_fused (fp32, Triton's interpreter)
     against the layers' plain forward; `chained`: norms reading the sums of squares the previous
-    layer's GEMVs left, SiLU * up in the gate/up epilogue (decode_chained)."""
+    layer's GEMVs left, SiLU * up in the gate/up epilogue (decode_chained); `chained:F`: its
+    gate/up GEMV folding only F of the norm and SiLU * up (llama.CHAINED_GATE_UP)."""
     proc = subprocess.run([sys.executable, "-c", FUSED_LAYERS_INTERPRETED, variant], capture_output=True, text=True,
                           timeout=600, env=os.environ | {"TRITON_INTERPRET": "1"}, cwd=Path(__file__).parents[1])
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]

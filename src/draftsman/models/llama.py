@@ -24,10 +24,14 @@ from draftsman.weights import SKIP
 # Batch-1 decode layers as four fused GEMV kernels where they apply (LlamaDecoderLayer.fused_decode);
 # False: every op separately (benchmarks compare both).
 FUSED_DECODE = True
-# ... as decode_chained (norms fed by the previous GEMV's sums of squares, SiLU * up in the gate/up
-# epilogue): tested in Triton's interpreter, not yet timed on the GPU against decode_fused; off
-# until benchmarks/h200_decode.py's `_chained` arms say it pays.
+# ... as decode_chained (norms fed by the previous GEMV's sums of squares): on the H200 (8B) it
+# ran 4.624 ms/token against decode_fused's 4.639, within noise; off until an arm clearly pays.
 FUSED_DECODE_CHAINED = False
+# decode_chained's gate/up GEMV: which of the post-attention RMSNorm ("norm") and SiLU(gate) * up
+# ("glu") it folds in. The others run apart: the norm as one small op on the o GEMV's sums of
+# squares, SiLU * up in the down GEMV's prologue. Both folded cost gate/up 65.9 us against 56.7
+# bare on the H200 (benchmarks/h200_gemv.py), 0.3 ms per 8B step.
+CHAINED_GATE_UP: tuple[str, ...] = ("norm", "glu")
 
 
 class LlamaAttention(nn.Module):
@@ -112,10 +116,11 @@ class LlamaDecoderLayer(nn.Module):
         return gemv(gate_up, w, swiglu=True, residual=h, **fused_tiles(*w.shape)).view_as(x)
 
     def decode_chained(self, x: Tensor, ctx: AttnContext, layer: int) -> Tensor:
-        """decode_fused's variant with less work repeated per program: SiLU(gate) * up in the
-        gate/up GEMV's epilogue (gate and up rows in one program), and the o and down GEMVs leave
+        """decode_fused's variant with less work repeated per program: the o and down GEMVs leave
         their output row's sum of squares in partials, which the next norm reads instead of a
-        pass over its input (ctx.norm_ss carries them between layers)."""
+        pass over its input (ctx.norm_ss carries them between layers); SiLU(gate) * up in the
+        gate/up GEMV's epilogue (gate and up rows in one program). CHAINED_GATE_UP says which
+        of the norm and SiLU * up the gate/up GEMV folds in."""
         from draftsman.kernels.gemv import fused_tiles, gemv, sum_squares_parts
 
         attn, mlp, n1, n2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
@@ -126,10 +131,24 @@ class LlamaDecoderLayer(nn.Module):
         out = attn.attend(*qkv.view(*x.shape[:-1], -1).split(qkv_sizes(attn), dim=-1), ctx, layer)
         ss = h.new_empty(1, sum_squares_parts(h.shape[1], 8), dtype=torch.float32)
         h = gemv(out.view(1, -1), attn.o_proj.weight, residual=h, sum_squares_out=ss, block_n=8)
-        act = gemv(h, mlp.gate_up_proj.weight, norm_weight=n2.weight, eps=n2.eps, norm_sum_squares=ss, glu=True,
-                   block_n=4)
-        ctx.norm_ss = h.new_empty(1, sum_squares_parts(h.shape[1], 8), dtype=torch.float32)
-        return gemv(act, mlp.down_proj.weight, residual=h, sum_squares_out=ctx.norm_ss, block_n=8).view_as(x)
+        w, fold = mlp.gate_up_proj.weight, CHAINED_GATE_UP
+        if "norm" in fold:
+            x2, norm = h, {"norm_weight": n2.weight, "eps": n2.eps, "norm_sum_squares": ss}
+        else:
+            x2, norm = rms_norm_from_sum_squares(h, ss, n2), {}
+        if "glu" in fold:
+            act, down = gemv(x2, w, glu=True, block_n=4, **norm), {"block_n": 8}
+        else:  # SiLU * up in the down GEMV's prologue (recomputed per program: its wide tiles)
+            act, down = gemv(x2, w, block_n=8, **norm), {"swiglu": True, **fused_tiles(*mlp.down_proj.weight.shape)}
+        ctx.norm_ss = h.new_empty(1, sum_squares_parts(h.shape[1], down["block_n"]), dtype=torch.float32)
+        return gemv(act, mlp.down_proj.weight, residual=h, sum_squares_out=ctx.norm_ss, **down).view_as(x)
+
+
+def rms_norm_from_sum_squares(x: Tensor, sum_squares: Tensor, norm: RMSNorm) -> Tensor:
+    """norm(x) for rows [M, K] whose sums of squares are given in fp32 partials [M, P]: the
+    roundings of layers.RMSNorm without its pass over x for them."""
+    rstd = torch.rsqrt(sum_squares.sum(-1, keepdim=True) / x.shape[-1] + norm.eps)
+    return norm.weight * (x.float() * rstd).to(x.dtype)
 
 
 class LlamaModel(TargetModel):
