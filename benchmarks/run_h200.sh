@@ -9,6 +9,14 @@ OUT=${OUT:-benchmarks/results/h200-run}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 H=$OUT/h200.json
+# Compile caches across device calls (each call gets a fresh machine, and compiling the 8B step
+# took 60-116 s per arm): a call starts from .carry/compile-cache.tgz when one is carried
+# (`carry: [".carry/compile-cache.tgz"]`), and leaves the caches it ends with in
+# $OUT/compile-cache.tgz: copy that to .carry/ for the next call.
+CACHE=${CACHE:-/tmp/draftsman-compile-cache}
+mkdir -p "$CACHE"
+if [ -f .carry/compile-cache.tgz ]; then tar xzf .carry/compile-cache.tgz -C "$CACHE"; fi
+export TORCHINDUCTOR_CACHE_DIR=$CACHE/inductor TRITON_CACHE_DIR=$CACHE/triton
 START=$(date +%s)
 BUDGET=${BUDGET:-100000}  # seconds for the whole script (a device call allows 600): steps are cut to fit
 step() {  # step NAME SECONDS CMD...: run with a deadline, log rc and wall time
@@ -44,4 +52,9 @@ step load 200 python3 benchmarks/h200_load.py --out "$OUT/load_8b.json"
 step e2e 300 python3 benchmarks/h200_e2e.py --num-prompts 5 --out "$OUT/e2e.json"
 # one archive of the logs: a device call brings back at most 8 files
 (cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log)
+tar czf "$OUT/compile-cache.tgz" -C "$CACHE" .
+if [ "$(stat -c %s "$OUT/compile-cache.tgz")" -gt $((15 << 20)) ]; then  # a call brings back 16 MiB a file
+  echo "compile-cache.tgz dropped: $(du -h "$OUT/compile-cache.tgz" | cut -f1)" | tee -a "$OUT/steps.txt"
+  rm -f "$OUT/compile-cache.tgz"
+fi
 cat "$OUT/steps.txt" 2>/dev/null
