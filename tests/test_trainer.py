@@ -354,3 +354,30 @@ def test_sigint_stops_cleanly_with_a_checkpoint(target_dir, generated, tmp_path)
     assert len(read_log(tmp_path / "run")) == res.global_step
     more = train(config(target_dir, tmp_path / "run", resume=True, stop_after=1, **kw), examples=ex)
     assert more.global_step == res.global_step + 1
+
+
+def test_train_scaling_benchmark_runs_the_arms_and_compares_them(target_dir, data_file, tmp_path):
+    """benchmarks/train_scaling.py (issue 8's run) on CPU over gloo: one process against DDP on
+    two, online and offline, same losses, τ measured with each trained drafter."""
+    script = Path(__file__).parents[1] / "benchmarks" / "train_scaling.py"
+    out = tmp_path / "scaling.json"
+    cmd = [sys.executable, str(script), "--target", str(target_dir), "--data", str(data_file), "--device", "cpu",
+           "--nproc", "2", "--modes", "ddp", "--steps", "2", "--skip-steps", "1", "--batch-size", "4",
+           "--micro-batch-size", "1", "--max-length", "64", "--tau-prompts", "1", "--tau-new-tokens", "8",
+           "--train-args", "--ttt-steps 2 --draft-vocab-size 100 --lr 1e-2", "--work", str(tmp_path / "work"),
+           "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["init"] == "none" and set(got["runs"]) == {"online", "offline"}
+    for source in ("online", "offline"):
+        runs, fig = got["runs"][source], got["figures"][source]["ddp"]
+        assert len(runs["single"]["losses"]) == len(runs["ddp"]["losses"]) == 2
+        assert runs["ddp"]["timed_steps"] == 1 and runs["ddp"]["tokens_per_s"] > 0
+        assert fig["losses_match"] and fig["same_positions"] and fig["loss_max_rel_diff"] < 1e-4
+        assert fig["scaling_efficiency"] == pytest.approx(
+            runs["ddp"]["tokens_per_s"] / (2 * runs["single"]["tokens_per_s"]))
+        assert fig["tau"] >= 1.0 and fig["tau_single"] >= 1.0
+    # offline trains on the dumped states: the same losses as online
+    assert got["runs"]["offline"]["single"]["losses"] == pytest.approx(got["runs"]["online"]["single"]["losses"],
+                                                                        rel=1e-5)
