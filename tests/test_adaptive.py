@@ -68,6 +68,23 @@ def test_noisy_acceptance_at_batch_1_does_not_drop_the_best_arm():
     assert 2.6 < policy.taus[CHAIN] < 3.8
 
 
+def test_a_lucky_first_round_does_not_keep_a_losing_arm():
+    """τ starts as the mean of the rows seen, not an exponential mean seeded by the first
+    round: a chain that accepts everything once and 1 draft after (τ 2, below the 3.0 it needs
+    against plain steps) is dropped after a few rounds, not ~20."""
+    policy = AdaptivePolicy([CHAIN], explore_every=1000)
+    chosen, first = [], True
+    for _ in range(40):
+        arm = policy.choose(1)
+        chosen.append(arm)
+        accepted = [] if arm is PLAIN else [4 if first else 1]
+        first = first and arm is PLAIN
+        policy.observe(arm, 1, 1.0 if arm is PLAIN else 3.0, accepted)
+    assert chosen.count(CHAIN) <= 4 and chosen[-10:] == [PLAIN] * 10
+    k = chosen.count(CHAIN)
+    assert policy.tau_rows[CHAIN] == k and policy.taus[CHAIN] == pytest.approx((5 + 2 * (k - 1)) / k)
+
+
 def feed_ready(policy, batch, costs, taus, rounds, ready):
     """feed() with the session's readiness answer (arms whose graphs are captured)."""
     chosen = []

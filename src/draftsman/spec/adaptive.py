@@ -54,6 +54,9 @@ class AdaptivePolicy:
     # 1 - (1 - tau_alpha)^B. Per row, not per round: at batch 1 one round's acceptance is one
     # noisy draw (0..steps), and a per-round mean swung enough to drop the best arm for
     # hundreds of rounds (measured on the H200: adaptive at 0.85x while its arms ran 1.28x).
+    # Until an arm has seen 1/tau_alpha rows, τ is their plain mean instead (a round weighs at
+    # least B / rows seen): an exponential mean seeded by one lucky first round kept a losing
+    # arm chosen for ~20 rounds (seen on CPU, where speculation loses at every batch).
     tau_alpha: float = 0.05
     switch_margin: float = 0.03  # another arm must beat the current one by this fraction
     capture_margin: float = 0.5  # ... this much if it needs a CUDA graph capture and the current one does not
@@ -61,6 +64,7 @@ class AdaptivePolicy:
     max_explore_every: int = 1024  # ... doubling up to this while they change nothing
     estimates: dict[tuple[int, Hashable], Estimate] = field(default_factory=dict)
     taus: dict[Hashable, float] = field(default_factory=dict)  # tokens per row per round, per arm
+    tau_rows: dict[Hashable, int] = field(default_factory=dict)  # rows behind each arm's τ
     current: dict[int, SpecConfig | None] = field(default_factory=dict)  # chosen arm per bucket
     round: int = 0
     _interval: dict[int, int] = field(default_factory=dict)  # per bucket: rounds between re-measurements
@@ -133,9 +137,10 @@ class AdaptivePolicy:
         e.rounds += 1
         e.last_seen = self.round
         if arm is not PLAIN and accepted:
-            tau, old = 1.0 + sum(accepted) / len(accepted), self.taus.get(arm)
-            w = 1.0 - (1.0 - self.tau_alpha) ** len(accepted)
+            tau, old, rows = 1.0 + sum(accepted) / len(accepted), self.taus.get(arm), self.tau_rows.get(arm, 0)
+            w = max(len(accepted) / (rows + len(accepted)), 1.0 - (1.0 - self.tau_alpha) ** len(accepted))
             self.taus[arm] = tau if old is None else (1 - w) * old + w * tau
+            self.tau_rows[arm] = rows + len(accepted)
         if seconds is not None:
             e.seconds = seconds if e.seconds is None else (1 - self.alpha) * e.seconds + self.alpha * seconds
 
