@@ -178,15 +178,14 @@ class SpecSession(DecodeSession):
         st = self.tensors
         t_span, d_span = self._spans(self.spec if arm is None else arm, plain=arm is None)
         if arm is None:
-            steps = [(self.target, self._plain_key(t_span), self.caches[:1], PLAIN_STATE)]
-        else:
-            steps = [(self.target, self._round_key(arm, t_span, d_span), self.caches, ROUND_STATE)]
-            if self._backlog:  # the catch-up forward runs first, with these shapes
-                inputs = {"tokens": st["bk_tokens"], "feats": st["bk_feats"], "positions": st["bk_tokens"]}
-                if not self.captured(self.drafter, self._extend_key(d_span), self.caches[1:], **inputs):
-                    return False
-        return all(self.captured(module, key, caches, **{k: st[k] for k in names})
-                   for module, key, caches, names in steps)
+            return self.captured(self.target, self._plain_key(t_span), self.caches[:1],
+                                 **{k: st[k] for k in PLAIN_STATE})
+        if self._backlog:  # the catch-up forward runs first, with these shapes
+            inputs = {"tokens": st["bk_tokens"], "feats": st["bk_feats"], "positions": st["bk_tokens"]}
+            if not self.captured(self.drafter, self._extend_key(d_span), self.caches[1:], **inputs):
+                return False
+        return self.captured(self.target, self._round_key(arm, t_span, d_span), self.caches,
+                             **{k: st[k] for k in ROUND_STATE})
 
     def _spans(self, spec: SpecConfig, plain: bool = False) -> tuple[int | None, int | None]:
         """The slots a round's static-shape steps attend over, target and drafter
