@@ -151,7 +151,7 @@ def main() -> None:
             data = ["--hidden-dir", str(states)]
         else:
             data = ["--data", args.data]
-        runs, figs = {}, {}
+        runs, figs, logs = {}, {}, {}
         for arm in ["single", *modes]:
             out = work / f"{source}-{arm}"
             train = [*base, *data, "--out", str(out), *MODES.get(arm, [])]
@@ -161,7 +161,7 @@ def main() -> None:
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
                        "-m", "draftsman.cli", *train]
             _, wall = run(cmd, env, f"{source} {arm}")
-            records = train_log(out)
+            records = logs[arm] = train_log(out)
             runs[arm] = {"wall_s": wall, "losses": [r["loss"] for r in records], **throughput(records, args.skip_steps)}
             res["commands"][f"{source}-{arm}"] = shlex.join(cmd)
             if args.tau_prompts > 0:
@@ -169,7 +169,7 @@ def main() -> None:
                                                                                         env)
             if arm != "single":
                 one = runs["single"]
-                agree = loss_agreement(train_log(work / f"{source}-single"), records)
+                agree = loss_agreement(logs["single"], records)
                 figs[arm] = {"scaling_efficiency": runs[arm]["tokens_per_s"] / (args.nproc * one["tokens_per_s"]),
                              **agree, "losses_match": agree["loss_max_rel_diff"] <= rtol and agree["same_positions"],
                              "tau": runs[arm].get("tau"), "tau_single": one.get("tau")}
