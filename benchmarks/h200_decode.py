@@ -431,7 +431,8 @@ def main() -> None:
                     llama.attention = math_attention if "_math" in arm else sdpa_attention
                     use_gemv(model, "_cublas" not in arm)
                     llama.FUSED_DECODE = "_unfused" not in arm
-                    llama.FUSED_DECODE_CHAINED = "_chained" in arm
+                    chained_defaults = llama.FUSED_DECODE_CHAINED, llama.CHAINED_GATE_UP
+                    llama.FUSED_DECODE_CHAINED = chained_defaults[0] or "_chained" in arm
                     if "_gu_" in arm:
                         fold = arm.split("_gu_")[1].split("_")[0]
                         llama.CHAINED_GATE_UP = () if fold == "none" else tuple(fold.split("-"))
@@ -445,8 +446,7 @@ def main() -> None:
                         llama.attention = sdpa_attention
                         use_gemv(model, True)
                         llama.FUSED_DECODE = True
-                        llama.FUSED_DECODE_CHAINED = False
-                        llama.CHAINED_GATE_UP = ("norm", "glu")
+                        llama.FUSED_DECODE_CHAINED, llama.CHAINED_GATE_UP = chained_defaults
                         layers.DECODE_ATTENTION = True
                         os.environ.pop("DRAFTSMAN_COMPILE_MODE", None)
                     del _runner, _cache
