@@ -34,8 +34,8 @@ step gpu_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gr
 step gpu_tests_decode 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py -k fused_decode
 step decode_8b 240 python3 benchmarks/h200_decode.py --arms graph_compiled,graph_compiled_chained,graph_eager \
   --profile --out "$OUT/decode_8b.json" --h200-json "$H"
-step decode_8b_mlp 240 python3 benchmarks/h200_decode.py \
-  --arms graph_compiled_chained,graph_compiled_chained_gu_glu,graph_compiled_chained_gu_none \
+step decode_8b_mlp 420 python3 benchmarks/h200_decode.py \
+  --arms graph_compiled_chained_gu_none,graph_compiled_chained_gu_glu,graph_compiled_chained \
   --out "$OUT/decode_8b_mlp.json" --h200-json "$H"
 step gemv_fused 120 python3 benchmarks/h200_gemv.py --fused-only --out "$OUT/gemv_fused_8b.json"
 step gemv 200 python3 benchmarks/h200_gemv.py --out "$OUT/gemv_8b.json"
@@ -49,6 +49,10 @@ step rounds_8b_compiled 500 python3 benchmarks/h200_decode.py --arms rounds --co
 step decode_8b_autotune 500 python3 benchmarks/h200_decode.py --arms graph_compiled_autotune \
   --out "$OUT/decode_8b_autotune.json" --h200-json "$H"
 step load 200 python3 benchmarks/h200_load.py --out "$OUT/load_8b.json"
+# issue 8's single-GPU baseline (carry .carry/drafter/data.jsonl.gz: the reference target's conversations)
+if [ -f .carry/drafter/data.jsonl.gz ]; then gunzip -c .carry/drafter/data.jsonl.gz > /tmp/train.jsonl; fi
+step train_1x 300 python3 benchmarks/train_scaling.py --data /tmp/train.jsonl --nproc 1 \
+  --out "$OUT/train_scaling_1x_h200.json"
 step e2e 300 python3 benchmarks/h200_e2e.py --num-prompts 5 --out "$OUT/e2e.json"
 # one archive of the logs: a device call brings back at most 8 files
 (cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log)
