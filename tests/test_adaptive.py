@@ -267,6 +267,33 @@ def test_session_knows_which_graphs_a_round_would_capture(pair, monkeypatch):
     assert caught_up == [False, False, False, False, True, False, True]  # after each plain stretch
 
 
+def test_the_drafter_catch_up_is_not_timed_as_the_arm_s_round(pair, monkeypatch):
+    """The catch-up after plain rounds is a switch's one-off cost: a re-measurement that counted it
+    would make speculation look slower than it runs, and keep it off where it wins."""
+    import time
+
+    from draftsman.session import Request
+
+    target, drafter = pair
+    policy = Scripted([None] * 3 + [CHAIN] * 2)
+    session = SpecSession(target, drafter, None, 120, policy=policy)
+    seconds = []
+    policy.observe = lambda arm, batch, s, accepted: seconds.append((arm, s))
+    catch_up = session._catch_up
+
+    def slow_catch_up():
+        time.sleep(0.5)
+        catch_up()
+
+    monkeypatch.setattr(session, "_catch_up", slow_catch_up)
+    session.add([Request(0, prompts()[0], StopRules(max_new_tokens=50), SamplingParams(temperature=0.0))])
+    for _ in range(5):
+        session.step()
+    assert [arm for arm, _ in seconds] == [None] * 3 + [CHAIN] * 2
+    first_spec = seconds[3][1]
+    assert first_spec is not None and first_spec < 0.5  # timed, and without the catch-up
+
+
 def test_session_wants_a_spec_or_a_policy(pair):
     target, drafter = pair
     with pytest.raises(ValueError, match="AdaptivePolicy"):
