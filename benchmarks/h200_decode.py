@@ -13,10 +13,13 @@ Arms, all batch 1, greedy, one prompt of --prompt-len tokens then --new-tokens t
   *_autotune        a compiled arm in torch.compile's max-autotune-no-cudagraphs mode
   *_cublas          a graph arm with every GEMV on cuBLAS (default: batch-1 GEMVs on draftsman's
                     Triton GEMV, as inference models run; layers.use_gemv)
-  *_chained         fused decode layers as decode_chained (norms fed by the previous GEMV's sums
-                    of squares, SiLU * up in the gate/up epilogue; llama.FUSED_DECODE_CHAINED)
-  *_chained_gu_F    ... with the gate/up GEMV folding only F of the norm and SiLU * up (F: norm,
-                    glu, norm-glu or none; the rest apart; llama.CHAINED_GATE_UP)
+  (default)         fused decode layers as decode_chained (norms fed by the previous GEMV's sums
+                    of squares; llama.FUSED_DECODE_CHAINED) with the gate/up GEMV bare
+  *_unchained       ... as decode_fused instead (each GEMV's norm prologue reads its whole input)
+  *_gu_F            a chained arm whose gate/up GEMV folds F of the post-attention norm and
+                    SiLU * up (F: norm, glu, norm-glu, none; the rest apart), or is a PyTorch
+                    matmul (F: linear, cuBLAS); default: llama.CHAINED_GATE_UP
+  *_torchargmax     the next token by one-pass torch.argmax (default: sampling.greedy_argmax)
   *_sdpa            one-token attention through SDPA (default: draftsman's Triton decode-attention
                     kernel, kernels/attention.py; layers.DECODE_ATTENTION)
   *_unfused         Triton GEMVs, but without the fused decode layers (default for Llama: RMSNorm,
@@ -54,7 +57,10 @@ from draftsman.graphs import CudaGraphRunner, compile_step
 from draftsman.models import build_target
 from draftsman.models.layers import attention as sdpa_attention
 from draftsman.models.layers import slot_mask, use_gemv
+from draftsman.sampling import greedy_argmax
 from draftsman.weights import build_empty
+
+TORCH_ARGMAX = False  # graph arms with `_torchargmax`: one-pass torch.argmax for the next token
 
 GEOMETRIES = {"llama-3.1-8b": LLAMA_31_8B, "moonlight-16b-a3b": MOONLIGHT_16B_A3B}
 
@@ -147,7 +153,7 @@ def decode_step_fn(model, cache, max_len: int):
     def step(token, pos):
         mask = slot_mask(pos, max_len)
         logits = model.run(token, positions=pos, cache=cache, cache_index=pos, attn_mask=mask).logits
-        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        nxt = (logits[:, -1].argmax(-1) if TORCH_ARGMAX else greedy_argmax(logits[:, -1]))[:, None]
         token.copy_(nxt)
         pos.add_(1)
         return nxt
@@ -367,6 +373,7 @@ def h200_figures(res: dict) -> dict:
 
 
 def main() -> None:
+    global TORCH_ARGMAX
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--geometry", default="llama-3.1-8b", choices=list(GEOMETRIES))
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -432,11 +439,12 @@ def main() -> None:
                     use_gemv(model, "_cublas" not in arm)
                     llama.FUSED_DECODE = "_unfused" not in arm
                     chained_defaults = llama.FUSED_DECODE_CHAINED, llama.CHAINED_GATE_UP
-                    llama.FUSED_DECODE_CHAINED = chained_defaults[0] or "_chained" in arm
+                    llama.FUSED_DECODE_CHAINED = "_unchained" not in arm
                     if "_gu_" in arm:
                         fold = arm.split("_gu_")[1].split("_")[0]
                         llama.CHAINED_GATE_UP = () if fold == "none" else tuple(fold.split("-"))
                     layers.DECODE_ATTENTION = "_sdpa" not in arm
+                    TORCH_ARGMAX = "_torchargmax" in arm
                     if "_autotune" in arm:  # Triton GEMM templates with fused epilogues
                         os.environ["DRAFTSMAN_COMPILE_MODE"] = "max-autotune-no-cudagraphs"
                     try:
@@ -448,6 +456,7 @@ def main() -> None:
                         llama.FUSED_DECODE = True
                         llama.FUSED_DECODE_CHAINED, llama.CHAINED_GATE_UP = chained_defaults
                         layers.DECODE_ATTENTION = True
+                        TORCH_ARGMAX = False
                         os.environ.pop("DRAFTSMAN_COMPILE_MODE", None)
                     del _runner, _cache
                     if arm == "graph_compiled":

@@ -31,11 +31,11 @@ step() {  # step NAME SECONDS CMD...: run with a deadline, log rc and wall time
 }
 # (only the files with GPU tests: the GPU machine has no server dependencies)
 step gpu_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_graphs.py tests/test_kernels.py tests/test_load_gpu.py
-step gpu_tests_decode 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py -k fused_decode
-step decode_8b 240 python3 benchmarks/h200_decode.py --arms graph_compiled,graph_compiled_chained,graph_eager \
+step gpu_tests_decode 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py -k "fused_decode or greedy_argmax"
+step decode_8b 240 python3 benchmarks/h200_decode.py --arms graph_compiled,graph_compiled_unchained,graph_eager \
   --profile --out "$OUT/decode_8b.json" --h200-json "$H"
-step decode_8b_mlp 420 python3 benchmarks/h200_decode.py \
-  --arms graph_compiled_chained_gu_none,graph_compiled_chained_gu_glu,graph_compiled_chained \
+step decode_8b_mlp 300 python3 benchmarks/h200_decode.py \
+  --arms graph_compiled,graph_compiled_gu_linear,graph_compiled_torchargmax \
   --out "$OUT/decode_8b_mlp.json" --h200-json "$H"
 step gemv_fused 120 python3 benchmarks/h200_gemv.py --fused-only --out "$OUT/gemv_fused_8b.json"
 step gemv 200 python3 benchmarks/h200_gemv.py --out "$OUT/gemv_8b.json"

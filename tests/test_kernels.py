@@ -285,7 +285,7 @@ def test_gemv_fusions_match_pytorch_on_cuda(m, fusion, wide):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("chained", [False, True, ("glu",), ()])
+@pytest.mark.parametrize("chained", [False, True, ("norm", "glu"), ("glu",), ("linear",)])
 def test_fused_decode_layers_match_the_unfused_ones(chained, monkeypatch):
     """Batch-1 decode through LlamaDecoderLayer.decode_fused (GEMVs with RMSNorm, SwiGLU and
     residual folded in) against the same model with every product on cuBLAS, in a session."""
@@ -389,6 +389,7 @@ model.fuse_projections()
 use_gemv(model, True)
 ids = torch.randint(0, 300, (1, 10))
 llama.FUSED_DECODE_CHAINED = sys.argv[1].startswith("chained")
+llama.CHAINED_GATE_UP = ()
 if ":" in sys.argv[1]:
     llama.CHAINED_GATE_UP = tuple(f for f in sys.argv[1].split(":")[1].split("+") if f)
 logits = []
@@ -404,12 +405,29 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("variant", ["fused", "chained", "chained:glu", "chained:norm", "chained:"])
+@pytest.mark.parametrize("variant", ["fused", "chained", "chained:glu", "chained:norm", "chained:norm+glu",
+                                     "chained:linear"])
 def test_fused_decode_layers_match_the_unfused_ones_interpreted(variant):
     """Batch-1 decode steps through LlamaDecoderLayer.decode_fused (fp32, Triton's interpreter)
     against the layers' plain forward; `chained`: norms reading the sums of squares the previous
-    layer's GEMVs left, SiLU * up in the gate/up epilogue (decode_chained); `chained:F`: its
-    gate/up GEMV folding only F of the norm and SiLU * up (llama.CHAINED_GATE_UP)."""
+    layer's GEMVs left (decode_chained, its default gate/up); `chained:F`: its gate/up GEMV
+    folding F of the norm and SiLU * up, or a PyTorch matmul (F: linear; llama.CHAINED_GATE_UP)."""
     proc = subprocess.run([sys.executable, "-c", FUSED_LAYERS_INTERPRETED, variant], capture_output=True, text=True,
                           timeout=600, env=os.environ | {"TRITON_INTERPRET": "1"}, cwd=Path(__file__).parents[1])
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_greedy_argmax_compiled_on_cuda_is_torch_argmax():
+    """The two-pass argmax of a decode step's next token, through torch.compile on the GPU (its
+    path in compiled decode steps), against torch.argmax on a 128k vocabulary with ties."""
+    from draftsman.sampling import greedy_argmax
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randint(-5, 6, (3, 128256), device="cuda", generator=g).to(torch.bfloat16)
+    x[1, 100_000] = 7.0
+    x[2] = float("-inf")
+    fn = torch.compile(greedy_argmax, fullgraph=True)
+    torch.testing.assert_close(fn(x), x.argmax(-1), rtol=0, atol=0)
+    torch.testing.assert_close(fn(x[:1]), x[:1].argmax(-1), rtol=0, atol=0)

@@ -114,3 +114,18 @@ def test_sample_follows_distribution_and_is_reproducible() -> None:
     # unnormalised input and extra leading dims
     ids3 = sample(torch.tensor([[[0.0, 5.0, 0.0]]]).expand(2, 3, 3))
     assert ids3.shape == (2, 3) and bool((ids3 == 1).all())
+
+
+@pytest.mark.parametrize("vocab", [1000, 128256, 50000, 16385])
+def test_greedy_argmax_is_torch_argmax_with_ties_and_infinities(vocab):
+    from draftsman.sampling import greedy_argmax
+
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randint(-3, 4, (6, vocab), generator=g).float()  # many ties: the first index must win
+    x[1] = float("-inf")
+    x[2, vocab // 2 :] = float("inf")
+    x[3, -1] = 9.0  # the maximum in the last (padded) block
+    x[4, 7] = float("nan")
+    x[5, [5, vocab - 3]] = float("nan")
+    torch.testing.assert_close(greedy_argmax(x), x.argmax(-1), rtol=0, atol=0)
+    torch.testing.assert_close(greedy_argmax(x.bfloat16()[:, None]), x.bfloat16()[:, None].argmax(-1), rtol=0, atol=0)

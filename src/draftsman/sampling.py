@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 Param = float | int | Tensor
@@ -152,6 +153,24 @@ def _top_p_remove(sorted_x: Tensor, top_p: Param) -> Tensor:
         remove = cumulative <= 1 - top_p
     remove[..., -1] = False  # min_tokens_to_keep = 1: the top token always survives
     return remove
+
+
+def greedy_argmax(logits: Tensor, blocks: int = 256) -> Tensor:
+    """logits [..., V] -> the first maximal index over V, as torch.argmax (NaN counts as the
+    maximum), in two passes when V is large: per block of V / blocks, then over the blocks'
+    maxima. A decode step's single row of a 128k vocabulary is one reduction program in one
+    pass (30 us of a 4.6 ms compiled 8B step on the H200); in blocks it spreads over `blocks`."""
+    v = logits.shape[-1]
+    if v < 64 * blocks:
+        return logits.argmax(-1)
+    size = -(-v // blocks)
+    # -inf padding at the end: a tie with it resolves to the earlier, real index.
+    x = F.pad(logits, (0, size * blocks - v), value=float("-inf")) if size * blocks != v else logits
+    x = x.reshape(*logits.shape[:-1], blocks, size)
+    inner = x.argmax(-1)  # [..., blocks]: each block's first maximum
+    best = x.gather(-1, inner[..., None]).squeeze(-1)
+    block = best.argmax(-1, keepdim=True)  # the first block holding the maximum
+    return block.squeeze(-1) * size + inner.gather(-1, block).squeeze(-1)
 
 
 def _one_hot_argmax(x: Tensor) -> Tensor:

@@ -30,7 +30,7 @@ from draftsman.graphs import (
 from draftsman.kvcache import StaticCache
 from draftsman.models.base import TargetModel
 from draftsman.models.layers import slot_mask
-from draftsman.sampling import SamplingParams, make_generator, sample, warp_probs
+from draftsman.sampling import SamplingParams, greedy_argmax, make_generator, sample, warp_probs
 
 
 @dataclass
@@ -215,7 +215,7 @@ class DecodeSession(abc.ABC):
     def sample_next(self, logits: Tensor, sampling: dict[str, Tensor], greedy: bool) -> Tensor:
         """logits [B, V] -> tokens [B], each row with its own temperature/top-k/top-p."""
         if greedy:
-            return logits.argmax(-1)
+            return greedy_argmax(logits)
         probs = warp_probs(logits, sampling["temperature"], sampling["top_k"], sampling["top_p"])
         return sample(probs, generator=self.generator)
 

@@ -24,14 +24,16 @@ from draftsman.weights import SKIP
 # Batch-1 decode layers as four fused GEMV kernels where they apply (LlamaDecoderLayer.fused_decode);
 # False: every op separately (benchmarks compare both).
 FUSED_DECODE = True
-# ... as decode_chained (norms fed by the previous GEMV's sums of squares): on the H200 (8B) it
-# ran 4.624 ms/token against decode_fused's 4.639, within noise; off until an arm clearly pays.
-FUSED_DECODE_CHAINED = False
+# ... as decode_chained (norms fed by the previous GEMV's sums of squares, and a bare gate/up
+# GEMV, see CHAINED_GATE_UP): on the H200 (8B, compiled and graphed) 4.473 ms/token against
+# 4.606 with gate/up folding SiLU * up, and 4.639 for decode_fused (another call).
+FUSED_DECODE_CHAINED = True
 # decode_chained's gate/up GEMV: which of the post-attention RMSNorm ("norm") and SiLU(gate) * up
 # ("glu") it folds in. The others run apart: the norm as one small op on the o GEMV's sums of
 # squares, SiLU * up in the down GEMV's prologue. Both folded cost gate/up 65.9 us against 56.7
-# bare on the H200 (benchmarks/h200_gemv.py), 0.3 ms per 8B step.
-CHAINED_GATE_UP: tuple[str, ...] = ("norm", "glu")
+# bare on the H200 (benchmarks/h200_gemv.py), 0.3 ms per 8B step. "linear" (nothing folded):
+# the bare GEMV as a PyTorch matmul (cuBLAS: 55.2 us there) instead of the Triton kernel.
+CHAINED_GATE_UP: tuple[str, ...] = ()
 
 
 class LlamaAttention(nn.Module):
@@ -139,7 +141,8 @@ class LlamaDecoderLayer(nn.Module):
         if "glu" in fold:
             act, down = gemv(x2, w, glu=True, block_n=4, **norm), {"block_n": 8}
         else:  # SiLU * up in the down GEMV's prologue (recomputed per program: its wide tiles)
-            act, down = gemv(x2, w, block_n=8, **norm), {"swiglu": True, **fused_tiles(*mlp.down_proj.weight.shape)}
+            act = x2 @ w.t() if "linear" in fold and not norm else gemv(x2, w, block_n=8, **norm)
+            down = {"swiglu": True, **fused_tiles(*mlp.down_proj.weight.shape)}
         ctx.norm_ss = h.new_empty(1, sum_squares_parts(h.shape[1], down["block_n"]), dtype=torch.float32)
         return gemv(act, mlp.down_proj.weight, residual=h, sum_squares_out=ctx.norm_ss, **down).view_as(x)
 

@@ -27,7 +27,7 @@ from draftsman.graphs import captures, compiled, pow2_ceil
 from draftsman.kvcache import StaticCache
 from draftsman.models.base import TargetModel
 from draftsman.models.layers import slot_mask
-from draftsman.sampling import SamplingParams
+from draftsman.sampling import SamplingParams, greedy_argmax
 from draftsman.session import DecodeSession, Event, run_to_completion
 from draftsman.spec.tree import CandidatePool, VerifyTree, check_tree_args, select_tree
 from draftsman.spec.verify import (
@@ -259,7 +259,7 @@ class SpecSession(DecodeSession):
         return self._emit(range(len(self.rows)), [[t] for t in nxt.tolist()]), [0] * len(self.rows)
 
     def _greedy_plain(self, **state: Tensor) -> tuple[Tensor, ...]:
-        return self._plain_step(**state, sample=lambda logits: logits.argmax(-1), graph=False)
+        return self._plain_step(**state, sample=greedy_argmax, graph=False)
 
     def _plain_step(self, n: Tensor, root: Tensor, bk_tokens: Tensor, bk_feats: Tensor, bk_count: Tensor,
                     sample, graph: bool = True) -> tuple[Tensor, ...]:
