@@ -26,14 +26,15 @@ from draftsman.weights import SKIP
 FUSED_DECODE = True
 # ... as decode_chained (norms fed by the previous GEMV's sums of squares, and a bare gate/up
 # GEMV, see CHAINED_GATE_UP): on the H200 (8B, compiled and graphed) 4.473 ms/token against
-# 4.606 with gate/up folding SiLU * up, and 4.639 for decode_fused (another call).
+# 4.606 with gate/up folding SiLU * up, and 4.639 for decode_fused (another call); with gate/up
+# on cuBLAS and greedy_argmax, 4.396 (0.857 of the floor; results/h200_decode_8b_default.json).
 FUSED_DECODE_CHAINED = True
 # decode_chained's gate/up GEMV: which of the post-attention RMSNorm ("norm") and SiLU(gate) * up
 # ("glu") it folds in. The others run apart: the norm as one small op on the o GEMV's sums of
 # squares, SiLU * up in the down GEMV's prologue. Both folded cost gate/up 65.9 us against 56.7
 # bare on the H200 (benchmarks/h200_gemv.py), 0.3 ms per 8B step. "linear" (nothing folded):
 # the bare GEMV as a PyTorch matmul (cuBLAS: 55.2 us there) instead of the Triton kernel.
-CHAINED_GATE_UP: tuple[str, ...] = ()
+CHAINED_GATE_UP: tuple[str, ...] = ("linear",)  # 4.396 ms/token against 4.438 with the Triton GEMV
 
 
 class LlamaAttention(nn.Module):
