@@ -35,7 +35,7 @@ step gpu_tests_decode 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/t
 step decode_8b 240 python3 benchmarks/h200_decode.py --arms graph_compiled,graph_compiled_unchained,graph_eager \
   --profile --out "$OUT/decode_8b.json" --h200-json "$H"
 step decode_8b_mlp 300 python3 benchmarks/h200_decode.py \
-  --arms graph_compiled,graph_compiled_gu_linear,graph_compiled_torchargmax \
+  --arms graph_compiled,graph_compiled_gu_none,graph_compiled_torchargmax \
   --out "$OUT/decode_8b_mlp.json" --h200-json "$H"
 step gemv_fused 120 python3 benchmarks/h200_gemv.py --fused-only --out "$OUT/gemv_fused_8b.json"
 step gemv 200 python3 benchmarks/h200_gemv.py --out "$OUT/gemv_8b.json"
