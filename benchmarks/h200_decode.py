@@ -60,8 +60,6 @@ from draftsman.models.layers import slot_mask, use_gemv
 from draftsman.sampling import greedy_argmax
 from draftsman.weights import build_empty
 
-TORCH_ARGMAX = False  # graph arms with `_torchargmax`: one-pass torch.argmax for the next token
-
 GEOMETRIES = {"llama-3.1-8b": LLAMA_31_8B, "moonlight-16b-a3b": MOONLIGHT_16B_A3B}
 
 
@@ -147,13 +145,13 @@ def engine_arm(model, prompt: torch.Tensor, n: int) -> dict:
     return {"ms_per_token": per_token(run, n) * 1e3, "tokens": out["tokens"]}
 
 
-def decode_step_fn(model, cache, max_len: int):
-    """One greedy decode step that feeds itself: reads token/pos, writes the next token and pos+1
-    back into them (so replays chain with no host work)."""
+def decode_step_fn(model, cache, max_len: int, argmax=greedy_argmax):
+    """One greedy decode step that feeds itself: reads token/pos, writes the next token (argmax of
+    the logits [B, V] -> [B]) and pos+1 back into them (so replays chain with no host work)."""
     def step(token, pos):
         mask = slot_mask(pos, max_len)
         logits = model.run(token, positions=pos, cache=cache, cache_index=pos, attn_mask=mask).logits
-        nxt = (logits[:, -1].argmax(-1) if TORCH_ARGMAX else greedy_argmax(logits[:, -1]))[:, None]
+        nxt = argmax(logits[:, -1])[:, None]
         token.copy_(nxt)
         pos.add_(1)
         return nxt
@@ -191,10 +189,11 @@ def profile_step(step, inputs: dict, steps: int = 5, top: int = 30) -> list[dict
     return [{"total_us_per_step": total}, *rows[:top]]
 
 
-def graph_arm(model, prompt: torch.Tensor, n: int, compiled: bool, profile: bool = False) -> dict:
+def graph_arm(model, prompt: torch.Tensor, n: int, compiled: bool, profile: bool = False,
+              argmax=greedy_argmax) -> dict:
     max_len = prompt.shape[1] + n + 8
     cache = model.new_cache(1, max_len)
-    step = decode_step_fn(model, cache, max_len)
+    step = decode_step_fn(model, cache, max_len, argmax)
     if compiled:
         t0 = time.perf_counter()
         torch._dynamo.reset()  # arms differ in module classes (use_gemv): trace afresh
@@ -373,7 +372,6 @@ def h200_figures(res: dict) -> dict:
 
 
 def main() -> None:
-    global TORCH_ARGMAX
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--geometry", default="llama-3.1-8b", choices=list(GEOMETRIES))
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -444,19 +442,18 @@ def main() -> None:
                         fold = arm.split("_gu_")[1].split("_")[0]
                         llama.CHAINED_GATE_UP = () if fold == "none" else tuple(fold.split("-"))
                     layers.DECODE_ATTENTION = "_sdpa" not in arm
-                    TORCH_ARGMAX = "_torchargmax" in arm
                     if "_autotune" in arm:  # Triton GEMM templates with fused epilogues
                         os.environ["DRAFTSMAN_COMPILE_MODE"] = "max-autotune-no-cudagraphs"
                     try:
+                        argmax = (lambda x: x.argmax(-1)) if "_torchargmax" in arm else greedy_argmax
                         r, _runner, _cache = graph_arm(model, prompt, args.new_tokens, "compiled" in arm,
-                                                       args.profile)
+                                                       args.profile, argmax)
                     finally:
                         llama.attention = sdpa_attention
                         use_gemv(model, True)
                         llama.FUSED_DECODE = True
                         llama.FUSED_DECODE_CHAINED, llama.CHAINED_GATE_UP = chained_defaults
                         layers.DECODE_ATTENTION = True
-                        TORCH_ARGMAX = False
                         os.environ.pop("DRAFTSMAN_COMPILE_MODE", None)
                     del _runner, _cache
                     if arm == "graph_compiled":

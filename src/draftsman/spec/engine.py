@@ -159,7 +159,7 @@ class SpecSession(DecodeSession):
             # after plain rounds, 41 ms after another chain round; 44 and 43 ms with the
             # catch-up outside the clock). Synced so the round's clock is its own.
             self._catch_up()
-            sync(self.tensors["n"].device)
+            sync(self.device)
         before = captures(self.target, self.drafter)
         start = time.perf_counter()
         events, accepted = self._plain_round() if arm is None else self._spec_round()
