@@ -22,6 +22,10 @@ Arms, all batch 1, greedy, one prompt of --prompt-len tokens then --new-tokens t
   *_torchargmax     the next token by one-pass torch.argmax (default: sampling.greedy_argmax)
   *_sdpa            one-token attention through SDPA (default: draftsman's Triton decode-attention
                     kernel, kernels/attention.py; layers.DECODE_ATTENTION)
+  *_torchmoe        (Moonlight) routing by PyTorch's top-k, the shared experts as their own
+                    SwiGLU, MLA's absorbed per-head products as batched GEMMs (default: the
+                    Triton routing kernel, shared experts in the routed experts' launches,
+                    head_gemv; deepseek.ROUTE_KERNEL, SHARED_WITH_ROUTED, HEAD_GEMV_ROWS)
   *_unfused         Triton GEMVs, but without the fused decode layers (default for Llama: RMSNorm,
                     SwiGLU and residual adds folded into the GEMVs; llama.FUSED_DECODE)
 ms/token = (time for N tokens - time for 1 token) / (N - 1), so prefill is excluded.
@@ -430,6 +434,7 @@ def main() -> None:
                 elif arm == "engine_eager":
                     r = engine_arm(model, prompt, args.new_tokens)
                 elif arm.startswith(("graph_eager", "graph_compiled")):
+                    import draftsman.models.deepseek as deepseek
                     import draftsman.models.layers as layers
                     import draftsman.models.llama as llama
 
@@ -442,6 +447,11 @@ def main() -> None:
                         fold = arm.split("_gu_")[1].split("_")[0]
                         llama.CHAINED_GATE_UP = () if fold == "none" else tuple(fold.split("-"))
                     layers.DECODE_ATTENTION = "_sdpa" not in arm
+                    # MoE/MLA decode kernels (Moonlight): "_torchmoe" arms route with PyTorch's
+                    # top-k, run the shared experts as their own SwiGLU and the absorbed
+                    # per-head products as batched GEMMs (the path before those kernels)
+                    deepseek.ROUTE_KERNEL = deepseek.SHARED_WITH_ROUTED = "_torchmoe" not in arm
+                    deepseek.HEAD_GEMV_ROWS = 0 if "_torchmoe" in arm else 8
                     if "_autotune" in arm:  # Triton GEMM templates with fused epilogues
                         os.environ["DRAFTSMAN_COMPILE_MODE"] = "max-autotune-no-cudagraphs"
                     try:
@@ -454,6 +464,8 @@ def main() -> None:
                         llama.FUSED_DECODE = True
                         llama.FUSED_DECODE_CHAINED, llama.CHAINED_GATE_UP = chained_defaults
                         layers.DECODE_ATTENTION = True
+                        deepseek.ROUTE_KERNEL = deepseek.SHARED_WITH_ROUTED = True
+                        deepseek.HEAD_GEMV_ROWS = 8
                         os.environ.pop("DRAFTSMAN_COMPILE_MODE", None)
                     del _runner, _cache
                     if arm == "graph_compiled":

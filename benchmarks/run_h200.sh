@@ -42,8 +42,11 @@ step gemv 200 python3 benchmarks/h200_gemv.py --out "$OUT/gemv_8b.json"
 step batch 240 python3 benchmarks/h200_batch.py --out "$OUT/batch.json" --h200-json "$H"
 step rounds_8b 150 python3 benchmarks/h200_decode.py --arms rounds --batches 1,4,16,64 \
   --out "$OUT/rounds_8b.json" --h200-json "$H"
-step decode_moonlight 240 python3 benchmarks/h200_decode.py --geometry moonlight-16b-a3b \
-  --arms graph_compiled,rounds --profile --out "$OUT/decode_moonlight.json" --h200-json "$H"
+step gpu_tests_moe 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py -k "moonlight or moe"
+step decode_moonlight 360 python3 benchmarks/h200_decode.py --geometry moonlight-16b-a3b \
+  --arms graph_compiled,graph_compiled_sdpa_torchmoe --profile --out "$OUT/decode_moonlight.json" --h200-json "$H"
+step rounds_moonlight 200 python3 benchmarks/h200_decode.py --geometry moonlight-16b-a3b --arms rounds \
+  --out "$OUT/rounds_moonlight.json" --h200-json "$H"
 step rounds_8b_compiled 500 python3 benchmarks/h200_decode.py --arms rounds --compile-rounds \
   --round-specs tree64,tree64_s4,tree64_s3 --out "$OUT/rounds_8b_compiled.json"
 step decode_8b_autotune 500 python3 benchmarks/h200_decode.py --arms graph_compiled_autotune \

@@ -106,6 +106,10 @@ def greedy(model, prompt: torch.Tensor, n: int) -> torch.Tensor:
 # ---- (a), (e): full forward and aux hidden states ---------------------------------------------
 def test_logits_and_aux_states_match_hf(pair):
     hf, model, _ = pair
+    attn = model.layers[0].self_attn
+    # load_target fuses the projections of x (q or q_a, and kv_a) where neither has a bias: the
+    # parity below covers the fused path in one case and the separate one in the other
+    assert hasattr(attn, "q_kv_a_proj") == (attn.kv_a_proj_with_mqa.bias is None)
     x = ids(2, 40)
     layers = [0, 1, len(model.layers) - 1]
     with torch.no_grad():

@@ -35,6 +35,7 @@ import sys, torch
 sys.path.insert(0, {tests!r})
 from test_kernels import routed
 from draftsman.kernels.moe import moe_experts, moe_experts_gemv
+from draftsman.models.layers import SwiGLU
 for n in (1, 5, 21):  # decode, a small verify, more assignments than one block
     experts, x, weights, ids = routed(n, e=12, k=3, hidden=48, inner=40, device="cpu")
     w = (experts.gate_proj, experts.up_proj, experts.down_proj)
@@ -43,8 +44,50 @@ for n in (1, 5, 21):  # decode, a small verify, more assignments than one block
                                rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(moe_experts_gemv(x, weights, ids, *w, block_n=8, block_k=16), expected,
                                rtol=1e-5, atol=1e-5)
+    if n * 3 <= 16:  # decode: DeepSeek's shared experts (two experts' width) in the same launches
+        shared = SwiGLU(48, 80)
+        with torch.no_grad():
+            for p in shared.parameters():
+                p.copy_(torch.randn(p.shape) * 0.1)
+        gate_up = torch.cat((shared.gate_proj.weight, shared.up_proj.weight))
+        got = moe_experts_gemv(x, weights, ids, *w, shared=(gate_up, shared.down_proj.weight), block_n=8, block_k=16)
+        torch.testing.assert_close(got, expected + shared(x), rtol=1e-5, atol=1e-5)
 print("ok")
 """
+
+
+ROUTE_INTERPRETED = """
+import torch
+from draftsman.config import MoEConfig
+from draftsman.kernels.gemv import gemv
+from draftsman.kernels.router import route
+from draftsman.models.deepseek import Router
+g = torch.Generator().manual_seed(0)
+cases = ((64, 6, 1, 1, True, 2.446), (16, 4, 4, 2, True, 2.5), (24, 3, 1, 1, False, 1.0), (32, 8, 8, 3, False, 1.5))
+for e, k, groups, topk_group, norm, scaling in cases:
+    moe = MoEConfig(n_routed_experts=e, num_experts_per_tok=k, moe_intermediate_size=8, n_group=groups,
+                    topk_group=topk_group, norm_topk_prob=norm, routed_scaling_factor=scaling)
+    router = Router(40, moe)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(e, 40, generator=g))
+        router.e_score_correction_bias.copy_(torch.randn(e, generator=g) * 0.5)
+    for n in (1, 5):
+        x = torch.randn(n, 40, generator=g)
+        want_w, want_ids = router(x)  # CPU: the PyTorch route
+        logits = gemv(x, router.weight, block_n=4, block_k=16) if n <= 8 else x @ router.weight.T
+        got_w, got_ids = route(logits, router.e_score_correction_bias, k, groups, topk_group, norm, scaling)
+        assert torch.equal(got_ids, want_ids), (e, k, groups, got_ids, want_ids)
+        torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+print("ok")
+"""
+
+
+def test_route_kernel_matches_the_router_interpreted():
+    """Expert choice (ids in the same order) and mixing weights as deepseek.Router, with and
+    without group-limited routing, normalisation and scaling, k not a power of two, E not one."""
+    proc = subprocess.run([sys.executable, "-c", ROUTE_INTERPRETED], capture_output=True, text=True, timeout=600,
+                          env=os.environ | {"TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
 def test_moe_kernel_matches_the_grouped_loop_interpreted():
@@ -129,6 +172,28 @@ for m, n, k, split in ((1, 24, 64, 1), (3, 20, 72, 1), (2, 16, 64, 2), (1, 40, 9
     torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
 print("ok")
 """
+
+HEAD_GEMV_INTERPRETED = """
+import torch
+from draftsman.kernels.gemv import head_gemv
+g = torch.Generator().manual_seed(0)
+for m in (1, 3):
+    kv_b = torch.randn(4, 24 + 20, 40, generator=g)  # MLA's kv_b per head: [nope | v] rows of the rank
+    w_uk, w_uv = kv_b[:, :24], kv_b[:, 24:]
+    q, o = torch.randn(m, 4, 24, generator=g), torch.randn(m, 4, 40, generator=g)
+    torch.testing.assert_close(head_gemv(q, w_uk, transposed=True), torch.einsum("mhd,hdr->mhr", q, w_uk),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(head_gemv(o, w_uv), torch.einsum("mhr,hvr->mhv", o, w_uv), rtol=1e-5, atol=1e-5)
+print("ok")
+"""
+
+
+def test_head_gemv_matches_einsum_interpreted():
+    """Both orientations of MLA's absorbed products over strided halves of kv_b, ragged N and K
+    (not multiples of the tiles), padded rows."""
+    proc = subprocess.run([sys.executable, "-c", HEAD_GEMV_INTERPRETED], capture_output=True, text=True,
+                          timeout=600, env=os.environ | {"TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
 def test_gemv_matches_linear_interpreted():
@@ -336,13 +401,24 @@ for b, h, hkv, d, dv, s, splits in ((2, 8, 2, 16, 16, 100, None), (1, 4, 4, 16, 
     got = decode_attention(q, k, v, mask, d ** -0.5, block_s=16, splits=splits)
     want = attention(q, k, v, mask, d ** -0.5)
     torch.testing.assert_close(got, torch.nan_to_num(want), rtol=1e-4, atol=1e-4)
+# MLA's absorbed form: one KV head whose values are the keys, plus a rope query/key part
+for b, h, d, dr, s in ((2, 4, 32, 16, 50), (1, 16, 64, 16, 21)):
+    q, qr = torch.randn(b, 1, h, d, generator=g), torch.randn(b, 1, h, dr, generator=g)
+    latent = torch.randn(b, s, 1, d + dr, generator=g)  # a cache row [c_kv | k_pe], read as two views
+    kv, kr = latent[..., :d], latent[..., d:]
+    mask = torch.rand(b, 1, s, generator=g) < 0.8
+    got = decode_attention(q, kv, None, mask, 0.1, block_s=16, rope=(qr, kr))
+    want = attention(torch.cat((q, qr), -1), latent, kv, mask, 0.1)
+    torch.testing.assert_close(got, torch.nan_to_num(want), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(attention(q, kv, None, mask, 0.1, rope=(qr, kr)), want)  # the PyTorch path
 print("ok")
 """
 
 
 def test_decode_attention_matches_attention_interpreted():
     """One query token over ragged slot counts, grouped heads (and one query head per KV head),
-    Dv != D, strided K, split and unsplit slots, a split and a row with nothing visible."""
+    Dv != D, strided K, split and unsplit slots, a split and a row with nothing visible; MLA's
+    form (values are the keys, a rope part from another view of the same cache rows)."""
     proc = subprocess.run([sys.executable, "-c", DECODE_ATTENTION_INTERPRETED], capture_output=True, text=True,
                           timeout=600, env=os.environ | {"TRITON_INTERPRET": "1"})
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
@@ -431,3 +507,68 @@ def test_greedy_argmax_compiled_on_cuda_is_torch_argmax():
     fn = torch.compile(greedy_argmax, fullgraph=True)
     torch.testing.assert_close(fn(x), x.argmax(-1), rtol=0, atol=0)
     torch.testing.assert_close(fn(x[:1]), x[:1].argmax(-1), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_moonlight_decode_kernels_match_pytorch_on_cuda():
+    """At Moonlight-16B-A3B's shapes in bf16: MLA decode attention over the latent cache (values
+    are the keys, a rope part), the absorbed per-head products, routing (64 experts, top 6) and
+    routed + shared experts in one launch pair, each against its PyTorch path."""
+    import torch.nn.functional as F
+
+    from draftsman.config import MoEConfig
+    from draftsman.kernels.attention import decode_attention
+    from draftsman.kernels.gemv import gemv, head_gemv
+    from draftsman.kernels.moe import moe_experts_gemv
+    from draftsman.kernels.router import route
+    from draftsman.models.deepseek import Router
+    from draftsman.models.layers import SwiGLU
+
+    dev, bf = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    # attention: 16 heads over a [c_kv (512) | k_pe (64)] cache row, 300 of 400 slots read
+    cache = torch.randn(1, 400, 1, 576, device=dev, dtype=bf, generator=g)
+    q, qr = torch.randn(1, 1, 16, 512, device=dev, dtype=bf, generator=g), torch.randn(1, 1, 16, 64, device=dev,
+                                                                                          dtype=bf, generator=g)
+    kv, kr = cache[:, :300, :, :512], cache[:, :300, :, 512:]
+    mask = torch.arange(300, device=dev)[None, None, :] <= 250
+    got = decode_attention(q, kv, None, mask, 0.07, rope=(qr, kr))
+    want = F.scaled_dot_product_attention(torch.cat((q, qr), -1).float().transpose(1, 2),
+                                          cache[:, :300].float().transpose(1, 2), kv.float().transpose(1, 2),
+                                          attn_mask=mask[:, None], scale=0.07, enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    # absorbed products over kv_b's halves
+    kv_b = torch.randn(16, 256, 512, device=dev, dtype=bf, generator=g) * 0.05
+    x = torch.randn(1, 16, 128, device=dev, dtype=bf, generator=g)
+    torch.testing.assert_close(head_gemv(x, kv_b[:, :128], transposed=True).float(),
+                               torch.einsum("mhd,hdr->mhr", x.float(), kv_b[:, :128].float()), rtol=2e-2, atol=2e-2)
+    o = torch.randn(1, 16, 512, device=dev, dtype=bf, generator=g)
+    torch.testing.assert_close(head_gemv(o, kv_b[:, 128:]).float(),
+                               torch.einsum("mhr,hvr->mhv", o.float(), kv_b[:, 128:].float()), rtol=2e-2, atol=2e-2)
+    # routing: same experts as the PyTorch route from the same logits, same weights
+    moe = MoEConfig(n_routed_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408,
+                    routed_scaling_factor=2.446, norm_topk_prob=True)
+    router = Router(2048, moe).to(dev)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.02, generator=g)
+    h = torch.randn(1, 2048, device=dev, dtype=bf, generator=g)
+    logits = gemv(h.float(), router.weight, block_n=4)
+    torch.testing.assert_close(logits, F.linear(h.float(), router.weight), rtol=1e-4, atol=1e-4)
+    scores = logits.sigmoid()
+    want_ids = scores.topk(6, dim=-1).indices
+    weights, ids = route(logits, router.e_score_correction_bias, 6, scaling=2.446)
+    assert torch.equal(ids, want_ids)
+    chosen = scores.gather(1, want_ids)
+    torch.testing.assert_close(weights, chosen / chosen.sum(-1, keepdim=True) * 2.446)
+    # routed + shared experts: the kernel pair against the PyTorch loop plus the shared SwiGLU
+    experts, xe, w_e, ids_e = routed(1, e=64, k=6, hidden=2048, inner=1408, device=dev, dtype=bf)
+    shared = SwiGLU(2048, 2816).to(dev, bf)
+    with torch.no_grad():
+        for p in shared.parameters():
+            p.normal_(0, 0.02, generator=g)
+    gate_up = torch.cat((shared.gate_proj.weight, shared.up_proj.weight))
+    got = moe_experts_gemv(xe, w_e, ids_e, experts.gate_proj, experts.up_proj, experts.down_proj,
+                           shared=(gate_up, shared.down_proj.weight))
+    ref = experts.float().grouped(xe.float(), w_e, ids_e) + shared.float()(xe.float())
+    torch.testing.assert_close(got.float(), ref, rtol=3e-2, atol=3e-2)

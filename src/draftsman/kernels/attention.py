@@ -6,6 +6,11 @@ hundred slots (half a millisecond per 8B step). Here each program reads its shar
 head's slots once, for all the query heads that share it (flash-decoding: slots split across
 programs, each keeping an online softmax), and a small combine weighs the splits by their
 maxima and normalizers.
+
+Multi-head latent attention (DeepSeek) attends in the absorbed form with one KV head that is
+[latent | rope] wide (576: not a power of two) and whose values are the latent itself: the
+kernel takes the rope part as a second query/key pair (q_rope, k_rope) whose scores add to the
+first, and reads V from the K tile when V is K (no second load, no concatenated cache copy).
 """
 
 from __future__ import annotations
@@ -19,11 +24,12 @@ SM_TARGET = 128  # programs to aim for (about one per SM on an H100/H200)
 
 
 @triton.jit
-def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, acc_ptr, stat_ptr, S, scale,
+def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, acc_ptr, stat_ptr, qr_ptr, kr_ptr, S, scale,
                              stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                             stride_mb, HKV: tl.constexpr, SPLITS: tl.constexpr, G: tl.constexpr,
-                             G_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_S: tl.constexpr,
-                             S_LEN: tl.constexpr, PRECISION: tl.constexpr):
+                             stride_mb, stride_qrb, stride_qrh, stride_krb, stride_krs, stride_krh,
+                             HKV: tl.constexpr, SPLITS: tl.constexpr, G: tl.constexpr,
+                             G_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
+                             V_IS_K: tl.constexpr, BLOCK_S: tl.constexpr, S_LEN: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)  # (batch row, kv head)
     split = tl.program_id(1)
     b = pid // HKV
@@ -33,6 +39,10 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, acc_ptr, stat_ptr, S, s
     dv = tl.arange(0, DV)
     q = tl.load(q_ptr + b * stride_qb + (hk * G + g)[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None],
                 other=0.0)
+    if DR > 0:  # the rope part's queries (MLA)
+        dr = tl.arange(0, DR)
+        qr = tl.load(qr_ptr + b * stride_qrb + (hk * G + g)[:, None] * stride_qrh + dr[None, :],
+                     mask=(g < G)[:, None], other=0.0)
     m_i = tl.full((G_PAD,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((G_PAD,), dtype=tl.float32)
     acc = tl.zeros((G_PAD, DV), dtype=tl.float32)
@@ -42,15 +52,23 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, acc_ptr, stat_ptr, S, s
         k = tl.load(k_ptr + b * stride_kb + s[:, None] * stride_ks + hk * stride_kh + d[None, :],
                     mask=s_ok[:, None], other=0.0)
         # [G_PAD, BLOCK_S] fp32 (scale arrives as fp64 from torch.compile: cast, or the loop state widens)
-        scores = (tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale).to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if DR > 0:
+            kr = tl.load(kr_ptr + b * stride_krb + s[:, None] * stride_krs + hk * stride_krh + dr[None, :],
+                         mask=s_ok[:, None], other=0.0)
+            qk = tl.dot(qr, tl.trans(kr), qk, input_precision=PRECISION)
+        scores = (qk * scale).to(tl.float32)
         visible = tl.load(m_ptr + b * stride_mb + s, mask=s_ok, other=0) != 0
         scores = tl.where(visible[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(scores - m_safe[:, None])
-        v = tl.load(v_ptr + b * stride_vb + s[:, None] * stride_vs + hk * stride_vh + dv[None, :],
-                    mask=s_ok[:, None], other=0.0)
+        if V_IS_K:
+            v = k
+        else:
+            v = tl.load(v_ptr + b * stride_vb + s[:, None] * stride_vs + hk * stride_vh + dv[None, :],
+                        mask=s_ok[:, None], other=0.0)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
@@ -61,30 +79,47 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, acc_ptr, stat_ptr, S, s
     tl.store(stat_ptr + row * 2 + 1, l_i)
 
 
-def fits(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Shapes the kernel serves: one query token, head dims powers of two >= 16, H a multiple of
-    Hkv, at most 16 query heads per KV head."""
+def fits(q: Tensor, k: Tensor, v: Tensor | None, rope: tuple[Tensor, Tensor] | None = None) -> bool:
+    """Shapes the kernel serves: one query token, head dims (and the rope part's) powers of two
+    >= 16, H a multiple of Hkv, at most 16 query heads per KV head."""
     _, t, h, d = q.shape
-    hkv, dv = k.shape[2], v.shape[-1]
-    pow2 = all(x >= 16 and x & (x - 1) == 0 for x in (d, dv))
+    hkv, dv = k.shape[2], (k if v is None else v).shape[-1]
+    dims = (d, dv) if rope is None else (d, dv, rope[0].shape[-1])
+    pow2 = all(x >= 16 and x & (x - 1) == 0 for x in dims)
     return t == 1 and pow2 and h % hkv == 0 and h // hkv <= 16
 
 
-def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float,
-                     block_s: int = 64, splits: int | None = None) -> Tensor:
+def _last_dim_contiguous(x: Tensor) -> Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor | None, mask: Tensor, scale: float,
+                     block_s: int | None = None, splits: int | None = None,
+                     rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """q [B, 1, H, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv], mask [B, 1, S] bool (True = may
     attend) -> [B, 1, H, Dv] in q's dtype, as layers.attention (a row that sees no slot gets
-    zeros). Query head h reads KV head h // (H / Hkv). splits: programs per (row, KV head)
-    along the slots (default: enough for about SM_TARGET programs)."""
-    if not fits(q, k, v):
-        raise ValueError(f"decode_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} not served")
+    zeros). Query head h reads KV head h // (H / Hkv). v None: the values are the keys (MLA's
+    latent), read once. rope (q_rope [B, 1, H, Dr], k_rope
+    [B, S, Hkv, Dr]): scores of this second pair add to q.k (attention over the concatenated
+    heads). splits: programs per (row, KV head) along the slots (default: enough for about
+    SM_TARGET programs); block_s: slots per iteration (default 64, 32 for heads over 256 wide)."""
+    v_is_k = v is None
+    v = k if v is None else v
+    if not fits(q, k, v, rope):
+        raise ValueError(f"decode_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+                         f"{'' if rope is None else f', rope {tuple(rope[0].shape)}'} not served")
     b, _, h, d = q.shape
     s, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     if mask.shape != (b, 1, s):
         raise ValueError(f"decode_attention: mask {tuple(mask.shape)} does not fit {(b, 1, s)}")
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    v = v if v.stride(-1) == 1 else v.contiguous()
+    if rope is not None and (rope[0].shape[:3] != q.shape[:3] or rope[1].shape[:3] != k.shape[:3]
+                             or rope[0].shape[-1] != rope[1].shape[-1]):
+        raise ValueError(f"decode_attention: rope {tuple(rope[0].shape)}, {tuple(rope[1].shape)} does not fit "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}")
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    qr, kr = (q, k) if rope is None else (_last_dim_contiguous(rope[0]), _last_dim_contiguous(rope[1]))
+    if block_s is None:
+        block_s = 64 if d <= 256 else 32
     mask = mask.to(torch.uint8)  # (a bool -> uint8 view does not lower under torch.compile)
     g = h // hkv
     g_pad = max(16, triton.next_power_of_2(g))  # tl.dot's smallest tile
@@ -97,9 +132,11 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float
     stat = torch.empty(b, hkv, splits, g_pad, 2, dtype=torch.float32, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # (bf16/fp16 dots ignore it)
     _decode_attention_kernel[(b * hkv, splits)](
-        q, k, v, mask, acc, stat, s, scale, q.stride(0), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), mask.stride(0), HKV=hkv, SPLITS=splits, G=g, G_PAD=g_pad, D=d, DV=dv,
-        BLOCK_S=block_s, S_LEN=s_len, PRECISION=precision, num_warps=4)
+        q, k, v, mask, acc, stat, qr, kr, s, scale, q.stride(0), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), mask.stride(0), qr.stride(0), qr.stride(2), kr.stride(0),
+        kr.stride(1), kr.stride(2), HKV=hkv, SPLITS=splits, G=g, G_PAD=g_pad, D=d, DV=dv,
+        DR=0 if rope is None else qr.shape[-1], V_IS_K=v_is_k, BLOCK_S=block_s, S_LEN=s_len, PRECISION=precision,
+        num_warps=4 if d <= 256 else 8)
     return combine(acc[..., :g, :], stat[..., :g, 0], stat[..., :g, 1]).reshape(b, 1, h, dv).to(q.dtype)
 
 

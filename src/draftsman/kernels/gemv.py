@@ -176,3 +176,51 @@ def fused_tiles(n: int, k: int) -> dict:
     if n > 8192:
         return {}
     return {"block_n": 16, "block_k": 512 if k <= 4096 else 1024, "num_stages": 4}
+
+
+@triton.jit
+def _head_gemv_kernel(x_ptr, w_ptr, y_ptr, M, stride_xm, stride_xh, stride_wh, stride_wn, stride_wk, stride_ym,
+                      stride_yh, N: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    h = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, ROWS)
+    n_ok, m_ok = n < N, m < M
+    acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        w = tl.load(w_ptr + h * stride_wh + n[:, None] * stride_wn + k[None, :] * stride_wk,
+                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptr + m[:, None] * stride_xm + h * stride_xh + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    y = tl.sum(acc, axis=2)
+    tl.store(y_ptr + m[:, None] * stride_ym + h * stride_yh + n[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def head_gemv(x: Tensor, w: Tensor, transposed: bool = False) -> Tensor:
+    """Per-head products for a few rows: x [M, H, K] -> y [M, H, N] in x's dtype with
+    y[m, h] = w[h] @ x[m, h] for w [H, N, K], or x[m, h] @ w[h] for w [H, K, N] (transposed),
+    w any strided view (MLA's absorbed kv_b halves). A batched GEMM with one row per head
+    leaves cuBLAS on small GEMV kernels (~4 us per call for 2 MB on the H200); here every
+    head's weight streams through its own programs, contiguous along w's last dim."""
+    m, heads, k = x.shape
+    if transposed:
+        n = w.shape[2]
+        stride_wn, stride_wk = w.stride(2), w.stride(1)
+        block_n, block_k = 64, 32  # tiles along w's contiguous N
+    else:
+        n = w.shape[1]
+        stride_wn, stride_wk = w.stride(1), w.stride(2)
+        block_n, block_k = 16, 128
+    if w.shape[0] != heads or (w.shape[1] if transposed else w.shape[2]) != k:
+        raise ValueError(f"head_gemv: w {tuple(w.shape)} does not fit x {tuple(x.shape)}"
+                         f"{' (transposed)' if transposed else ''}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    y = torch.empty(m, heads, n, dtype=x.dtype, device=x.device)
+    _head_gemv_kernel[(heads, triton.cdiv(n, block_n))](
+        x, w, y, m, x.stride(0), x.stride(1), w.stride(0), stride_wn, stride_wk, y.stride(0), y.stride(1), N=n, K=k,
+        ROWS=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    return y

@@ -21,6 +21,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from draftsman.kernels.gemv import _load
+
 
 @triton.jit
 def _expert_rows(start_ptr, count_ptr, e, tb, BLOCK_T: tl.constexpr):
@@ -79,11 +81,21 @@ def _down_kernel(h_ptr, start_ptr, count_ptr, d_ptr, y_ptr,
 
 
 @triton.jit
-def _gate_up_gemv_kernel(x_ptr, ids_ptr, g_ptr, u_ptr, h_ptr, stride_xn, stride_ge, stride_gi, stride_hp,
-                         SLOTS: tl.constexpr, HIDDEN: tl.constexpr, INNER: tl.constexpr,
-                         BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr):
-    a = tl.program_id(0)  # assignment a: token a // SLOTS, its (a % SLOTS)-th expert
-    e = tl.load(ids_ptr + a).to(tl.int64)
+def _gate_up_gemv_kernel(x_ptr, ids_ptr, g_ptr, u_ptr, sgu_ptr, h_ptr, P, stride_xn, stride_ge, stride_hp,
+                         SLOTS: tl.constexpr, PARTS: tl.constexpr, HIDDEN: tl.constexpr, INNER: tl.constexpr,
+                         BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    a = tl.program_id(0)
+    if a < P:  # assignment a: token a // SLOTS, its (a % SLOTS)-th routed expert
+        e = tl.load(ids_ptr + a).to(tl.int64)
+        g_base = g_ptr + e * stride_ge
+        u_base = u_ptr + e * stride_ge
+        tok = a // SLOTS
+    else:  # a shared-expert part: INNER rows of the shared gate (and of its up, PARTS * INNER further)
+        j = a - P
+        part = (j % PARTS).to(tl.int64)
+        g_base = sgu_ptr + part * INNER * HIDDEN
+        u_base = sgu_ptr + (PARTS + part) * INNER * HIDDEN
+        tok = j // PARTS
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     i_ok = i < INNER
     acc_g = tl.zeros((BLOCK_I, BLOCK_K), dtype=tl.float32)
@@ -91,30 +103,36 @@ def _gate_up_gemv_kernel(x_ptr, ids_ptr, g_ptr, u_ptr, h_ptr, stride_xn, stride_
     for k0 in range(0, HIDDEN, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < HIDDEN
-        xv = tl.load(x_ptr + (a // SLOTS) * stride_xn + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        off = e * stride_ge + i[:, None] * stride_gi + k[None, :]
+        xv = _load(x_ptr + tok * stride_xn + k, k_ok, EVEN).to(tl.float32)[None, :]
+        off = i[:, None] * HIDDEN + k[None, :]
         ok = i_ok[:, None] & k_ok[None, :]
-        acc_g += tl.load(g_ptr + off, mask=ok, other=0.0).to(tl.float32) * xv
-        acc_u += tl.load(u_ptr + off, mask=ok, other=0.0).to(tl.float32) * xv
+        acc_g += _load(g_base + off, ok, EVEN).to(tl.float32) * xv
+        acc_u += _load(u_base + off, ok, EVEN).to(tl.float32) * xv
     g = tl.sum(acc_g, axis=1)
     h = g * tl.sigmoid(g) * tl.sum(acc_u, axis=1)
     tl.store(h_ptr + a * stride_hp + i, h.to(h_ptr.dtype.element_ty), mask=i_ok)
 
 
 @triton.jit
-def _down_gemv_kernel(h_ptr, ids_ptr, d_ptr, y_ptr, stride_hp, stride_de, stride_dh, stride_yp,
-                      HIDDEN: tl.constexpr, INNER: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+def _down_gemv_kernel(h_ptr, ids_ptr, d_ptr, sd_ptr, y_ptr, P, stride_hp, stride_de, stride_yp,
+                      PARTS: tl.constexpr, HIDDEN: tl.constexpr, INNER: tl.constexpr, BLOCK_H: tl.constexpr,
+                      BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
     a = tl.program_id(0)
-    e = tl.load(ids_ptr + a).to(tl.int64)
+    if a < P:
+        e = tl.load(ids_ptr + a).to(tl.int64)
+        d_base = d_ptr + e * stride_de
+        row = INNER
+    else:  # the shared down weight [HIDDEN, PARTS * INNER]: this part's INNER columns
+        d_base = sd_ptr + ((a - P) % PARTS).to(tl.int64) * INNER
+        row = PARTS * INNER
     o = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     o_ok = o < HIDDEN
     acc = tl.zeros((BLOCK_H, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, INNER, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < INNER
-        hv = tl.load(h_ptr + a * stride_hp + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        w = tl.load(d_ptr + e * stride_de + o[:, None] * stride_dh + k[None, :], mask=o_ok[:, None] & k_ok[None, :],
-                    other=0.0)
+        hv = _load(h_ptr + a * stride_hp + k, k_ok, EVEN).to(tl.float32)[None, :]
+        w = _load(d_base + o[:, None] * row + k[None, :], o_ok[:, None] & k_ok[None, :], EVEN)
         acc += w.to(tl.float32) * hv
     tl.store(y_ptr + a * stride_yp + o, tl.sum(acc, axis=1), mask=o_ok)
 
@@ -123,25 +141,53 @@ def _down_gemv_kernel(h_ptr, ids_ptr, d_ptr, y_ptr, stride_hp, stride_de, stride
 GEMV_ASSIGNMENTS = 16
 
 
+def _divisor_block(n: int, cap: int) -> int:
+    """The largest power-of-two block <= cap dividing n (unmasked, vectorized loads), else cap."""
+    b = cap
+    while b >= 64 and n % b:
+        b //= 2
+    return b if n % b == 0 else cap
+
+
 def moe_experts_gemv(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, up: Tensor, down: Tensor,
-                     block_n: int = 8, block_k: int = 512) -> Tensor:
+                     shared: tuple[Tensor, Tensor] | None = None, block_n: int = 8, block_k: int = 512) -> Tensor:
     """moe_experts for few assignments: each (token, expert) pair as two GEMVs over the chosen
-    expert's rows; same fp32 accumulation, rounding and mixing as moe_experts."""
+    expert's rows; same fp32 accumulation, rounding and mixing as moe_experts.
+
+    shared (gate_up [2 * S, H] = [gate | up] rows, down [H, S]; S a multiple of the experts'
+    inner size): DeepSeek's shared experts in the same two launches, as S / inner more
+    assignments per token, and the result is routed + shared, each rounded to x's dtype first
+    (as MoE.forward adds them)."""
     n, hidden = x.shape
     k = ids.shape[1]
     inner = gate.shape[1]
     x, gate, up, down = x.contiguous(), gate.contiguous(), up.contiguous(), down.contiguous()
+    parts = 0
+    sgu, sd = gate, down  # placeholders the kernels never read
+    if shared is not None:
+        sgu, sd = shared[0].contiguous(), shared[1].contiguous()
+        parts = sd.shape[1] // inner
+        if parts * inner != sd.shape[1] or sgu.shape != (2 * parts * inner, hidden) or sd.shape[0] != hidden:
+            raise ValueError(f"moe_experts_gemv: shared gate_up {tuple(sgu.shape)} / down {tuple(sd.shape)} are not "
+                             f"whole multiples of the experts' inner size {inner} at hidden {hidden}")
     flat = ids.flatten().contiguous()
     p = flat.numel()
-    h = torch.empty(p, inner, dtype=x.dtype, device=x.device)
-    _gate_up_gemv_kernel[(p, triton.cdiv(inner, block_n))](
-        x, flat, gate, up, h, x.stride(0), gate.stride(0), gate.stride(1), h.stride(0),
-        SLOTS=k, HIDDEN=hidden, INNER=inner, BLOCK_I=block_n, BLOCK_K=block_k)
-    y = torch.empty(p, hidden, dtype=torch.float32, device=x.device)
-    _down_gemv_kernel[(p, triton.cdiv(hidden, block_n))](
-        h, flat, down, y, h.stride(0), down.stride(0), down.stride(1), y.stride(0),
-        HIDDEN=hidden, INNER=inner, BLOCK_H=block_n, BLOCK_K=block_k)
-    return (y.view(n, k, hidden) * weights[..., None].float()).sum(1).to(x.dtype)
+    rows = p + n * parts
+    block_k_down = _divisor_block(inner, block_k)
+    h = torch.empty(rows, inner, dtype=x.dtype, device=x.device)
+    _gate_up_gemv_kernel[(rows, triton.cdiv(inner, block_n))](
+        x, flat, gate, up, sgu, h, p, x.stride(0), gate.stride(0), h.stride(0),
+        SLOTS=k, PARTS=max(parts, 1), HIDDEN=hidden, INNER=inner, BLOCK_I=block_n, BLOCK_K=block_k,
+        EVEN=hidden % block_k == 0 and inner % block_n == 0)
+    y = torch.empty(rows, hidden, dtype=torch.float32, device=x.device)
+    _down_gemv_kernel[(rows, triton.cdiv(hidden, block_n))](
+        h, flat, down, sd, y, p, h.stride(0), down.stride(0), y.stride(0),
+        PARTS=max(parts, 1), HIDDEN=hidden, INNER=inner, BLOCK_H=block_n, BLOCK_K=block_k_down,
+        EVEN=inner % block_k_down == 0 and hidden % block_n == 0)
+    out = (y[:p].view(n, k, hidden) * weights[..., None].float()).sum(1).to(x.dtype)
+    if parts:
+        out = out + y[p:].view(n, parts, hidden).sum(1).to(x.dtype)
+    return out
 
 
 def moe_experts(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, up: Tensor, down: Tensor,

@@ -22,24 +22,52 @@ from draftsman.config import MoEConfig, TargetConfig
 from draftsman.kernels import triton_available
 from draftsman.models.base import AttnContext, TargetModel
 from draftsman.models.layers import (
+    DecodeLinear,
     RMSNorm,
     Rotary,
     SwiGLU,
     apply_rotary,
     attention,
     deinterleave,
+    fuse_linears,
     yarn_softmax_scale,
 )
 from draftsman.weights import SKIP, CheckpointError
 
-# Set once the Triton MoE kernel has failed in this process (the error, for reports).
+# Set once a Triton MoE kernel (experts or routing) has failed in this process (the error, for reports).
 _KERNEL_FAILED: list[str] = []
+
+
+def _kernels_usable(x: Tensor, *weights: Tensor) -> bool:
+    """The Triton MoE kernels apply: inference on CUDA, Triton present, no earlier failure."""
+    return (x.is_cuda and triton_available() and not _KERNEL_FAILED
+            and not any(w.requires_grad for w in (x, *weights)))
+
+
+def _kernel_failed(e: Exception) -> None:
+    """A Triton build or launch failure: note it, warn once, and serve on through PyTorch."""
+    _KERNEL_FAILED.append(repr(e))
+    warnings.warn(f"Triton MoE kernel failed ({e!r}); using the PyTorch experts and routing (one host sync "
+                  "per MoE layer) from now on", stacklevel=3)
 
 # DeepSeek's reference code (and HF) build q_a/kv_a layernorms without passing rms_norm_eps.
 _LATENT_NORM_EPS = 1e-6
 
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT_RE = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+# Rows (tokens) up to which MLA's absorbed per-head products run as Triton GEMVs (decode; 0: never).
+HEAD_GEMV_ROWS = 8
+# Routing in one Triton kernel (kernels/router.py) on CUDA; False: PyTorch's top-k chain.
+ROUTE_KERNEL = True
+# Decode: the shared experts in the routed experts' two kernel launches; False: a separate SwiGLU.
+SHARED_WITH_ROUTED = True
+
+
+def _head_gemv_applies(x: Tensor, w: Tensor) -> bool:
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dtype == w.dtype and triton_available()
+            and x.shape[0] * x.shape[1] <= HEAD_GEMV_ROWS and not (x.requires_grad or w.requires_grad))
 
 
 class MLAttention(nn.Module):
@@ -74,11 +102,25 @@ class MLAttention(nn.Module):
             x = deinterleave(x)
         return apply_rotary(x, ctx.cos, ctx.sin)
 
+    def _input_projections(self) -> list[nn.Module]:
+        """The projections of the layer input: q (or its LoRA down-projection) and kv_a."""
+        return [self.q_proj if hasattr(self, "q_proj") else self.q_a_proj, self.kv_a_proj_with_mqa]
+
+    def fuse(self) -> None:
+        """One GEMM for the projections of x (inference): see layers.fuse_linears."""
+        fused = fuse_linears(self._input_projections())
+        if fused is not None:  # a plain attribute: not a submodule, so never counted or saved twice
+            object.__setattr__(self, "q_kv_a_proj", fused)
+
     def forward(self, x: Tensor, ctx: AttnContext, layer: int) -> Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        if hasattr(self, "q_kv_a_proj"):
+            q_in, kv = self.q_kv_a_proj(x).split([m.out_features for m in self._input_projections()], dim=-1)
+        else:
+            q_in, kv = (m(x) for m in self._input_projections())
+        q = q_in if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(q_in))
         q_nope, q_pe = q.view(b, t, self.n_heads, -1).split([self.nope, self.rope_dim], dim=-1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
+        c_kv, k_pe = kv.split([self.rank, self.rope_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
         q_pe = self._rope(q_pe, ctx)
         k_pe = self._rope(k_pe[:, :, None], ctx)  # [B, T, 1, rope]: one key shared by all heads
@@ -104,10 +146,21 @@ class MLAttention(nn.Module):
         each head becomes a query of width kv_lora_rank + rope against one shared key/value head."""
         w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [heads, nope, rank], [heads, v, rank]
-        q_latent = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)
-        q = torch.cat((q_latent, q_pe), dim=-1)
-        k = torch.cat((c_kv, k_pe), dim=-1)[:, :, None]  # [B, S, 1, rank + rope]
-        out_latent = attention(q, k, c_kv[:, :, None], mask, self.scale)  # [B, T, heads, rank]
+        b, t = q_nope.shape[:2]
+        if _head_gemv_applies(q_nope, w):  # decode: the per-head products as GEMVs, not batched GEMMs
+            from draftsman.kernels.gemv import head_gemv
+
+            q_latent = head_gemv(q_nope.reshape(b * t, self.n_heads, self.nope), w_uk, transposed=True)
+            q_latent = q_latent.view(b, t, self.n_heads, self.rank)
+        else:
+            q_latent = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)
+        # keys [c_kv | k_pe] (one head), values c_kv: the cache is read in place, never concatenated
+        rope = (q_pe, k_pe[:, :, None])
+        out_latent = attention(q_latent, c_kv[:, :, None], None, mask, self.scale, rope=rope)  # [B, T, heads, rank]
+        if _head_gemv_applies(out_latent, w):
+            from draftsman.kernels.gemv import head_gemv
+
+            return head_gemv(out_latent.reshape(b * t, self.n_heads, self.rank), w_uv).view(b, t, self.n_heads, -1)
         return torch.einsum("bthr,hvr->bthv", out_latent, w_uv)
 
 
@@ -125,6 +178,14 @@ class Router(nn.Module):
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [N, H] -> (weights [N, k] fp32, expert ids [N, k])."""
         moe = self.moe
+        if ROUTE_KERNEL and _kernels_usable(x, self.weight):
+            from draftsman.kernels.router import routable
+
+            if routable(moe.n_routed_experts, moe.num_experts_per_tok, moe.n_group):
+                try:
+                    return self._route_kernel(x)
+                except Exception as e:
+                    _kernel_failed(e)
         scores = F.linear(x.float(), self.weight.float()).sigmoid()
         choice = scores + self.e_score_correction_bias.float()
         if moe.n_group > 1:
@@ -139,6 +200,17 @@ class Router(nn.Module):
         if moe.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return weights * moe.routed_scaling_factor, ids
+
+    def _route_kernel(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """forward's choice in one Triton kernel after the fp32 matmul (on the GEMV kernel for
+        decode's few rows): no top-k/sort chain of small kernels per layer."""
+        from draftsman.kernels.gemv import gemv
+        from draftsman.kernels.router import route
+
+        moe, w = self.moe, self.weight.float()
+        logits = gemv(x.float(), w, block_n=4) if x.shape[0] <= 8 else F.linear(x.float(), w)
+        return route(logits, self.e_score_correction_bias, moe.num_experts_per_tok, moe.n_group, moe.topk_group,
+                     moe.norm_topk_prob, moe.routed_scaling_factor)
 
 
 class Experts(nn.Module):
@@ -156,15 +228,13 @@ class Experts(nn.Module):
         """x [N, H], weights/ids [N, k] -> sum_k weights * expert_ids(x)."""
         if self.gate_proj.shape[0] <= 2 * ids.shape[1]:
             return self.dense(x, weights, ids)
-        if x.is_cuda and triton_available() and not _KERNEL_FAILED:  # grouped on the device: no host sync
+        if _kernels_usable(x, self.gate_proj):  # grouped on the device: no host sync
             try:
                 from draftsman.kernels.moe import moe_experts
 
                 return moe_experts(x, weights, ids, self.gate_proj, self.up_proj, self.down_proj)
-            except Exception as e:  # a Triton build or launch failure: keep serving
-                _KERNEL_FAILED.append(repr(e))
-                warnings.warn(f"Triton MoE kernel failed ({e!r}); using the PyTorch expert loop "
-                              "(one host sync per MoE layer) from now on", stacklevel=2)
+            except Exception as e:
+                _kernel_failed(e)
         return self.grouped(x, weights, ids)
 
     def dense(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
@@ -219,10 +289,39 @@ class MoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, x.shape[-1])
         weights, ids = self.gate(flat)
+        shared = self._decode_shared(flat, ids)
+        if shared is not None:  # decode: routed and shared experts in the same two kernel launches
+            try:
+                from draftsman.kernels.moe import moe_experts_gemv
+
+                e = self.experts
+                return moe_experts_gemv(flat, weights, ids, e.gate_proj, e.up_proj, e.down_proj, shared).view_as(x)
+            except Exception as err:
+                _kernel_failed(err)
         out = self.experts(flat, weights, ids).view_as(x)
         if hasattr(self, "shared_experts"):
             out = out + self.shared_experts(x)
         return out
+
+    def _decode_shared(self, flat: Tensor, ids: Tensor) -> tuple[Tensor, Tensor] | None:
+        """The shared experts' (gate_up, down) weights when the decode kernels can take them
+        along with the routed ones: few assignments, plain stacked experts (not packed INT4, not
+        the all-experts path), fused shared gate/up (inference), one dtype."""
+        from draftsman.kernels.moe import GEMV_ASSIGNMENTS
+
+        e, shared = self.experts, getattr(self, "shared_experts", None)
+        if not SHARED_WITH_ROUTED or shared is None or ids.numel() > GEMV_ASSIGNMENTS or type(e) is not Experts:
+            return None
+        if e.gate_proj.shape[0] <= 2 * ids.shape[1] or not hasattr(shared, "gate_up_proj"):
+            return None
+        gate_up, down = shared.gate_up_proj, shared.down_proj
+        if type(down) not in (nn.Linear, DecodeLinear) or down.bias is not None or gate_up.bias is not None:
+            return None
+        if down.in_features % e.gate_proj.shape[1]:  # shared inner: whole multiples of an expert's
+            return None
+        if not _kernels_usable(flat, e.gate_proj) or len({e.gate_proj.dtype, gate_up.weight.dtype, flat.dtype}) != 1:
+            return None
+        return gate_up.weight, down.weight
 
 
 class DeepseekDecoderLayer(nn.Module):

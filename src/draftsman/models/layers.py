@@ -33,12 +33,16 @@ class DecodeLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+# Fused projections kept as plain attributes (not submodules) by the modules' `fuse`.
+FUSED_ATTRS = ("qkv_proj", "gate_up_proj", "q_kv_a_proj")
+
+
 def use_gemv(model: nn.Module, on: bool = True) -> None:
     """Route an inference model's batch-1 GEMVs to the Triton kernel (DecodeLinear), or back to
     nn.Linear; only the class changes. No-op without Triton or for trainable weights."""
     if on and not triton_available():
         return
-    for m in list(model.modules()) + [getattr(m, a) for m in model.modules() for a in ("qkv_proj", "gate_up_proj")
+    for m in list(model.modules()) + [getattr(m, a) for m in model.modules() for a in FUSED_ATTRS
                                       if hasattr(m, a)]:
         if type(m) in (nn.Linear, DecodeLinear) and not m.weight.requires_grad:
             m.__class__ = DecodeLinear if on else nn.Linear
@@ -258,17 +262,23 @@ SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDP
 DECODE_ATTENTION = True
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor | None, mask: Tensor, scale: float,
+              rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """q [B, T, H, D], k/v [B, S, Hkv, D*], mask [B, T, S] bool (True = may attend) -> [B, T, H, Dv].
 
-    Grouped-query attention when Hkv < H. A query row with no visible key returns zeros
-    instead of NaN (padding rows)."""
+    Grouped-query attention when Hkv < H. v None: the values are the keys (MLA's latent). rope
+    (q_rope [B, T, H, Dr], k_rope [B, S, Hkv, Dr]): a second query/key part, as if concatenated
+    to q and k (MLA's shared rotary key), never concatenated on the decode-kernel path. A query
+    row with no visible key returns zeros instead of NaN (padding rows)."""
     if (DECODE_ATTENTION and q.shape[1] == 1 and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
-            and triton_available() and not (q.requires_grad or k.requires_grad or v.requires_grad)):
+            and triton_available() and not any(x.requires_grad for x in (q, k, v) if x is not None)):
         from draftsman.kernels.attention import decode_attention, fits
 
-        if fits(q, k, v):
-            return decode_attention(q, k, v, mask, scale)
+        if fits(q, k, v, rope):
+            return decode_attention(q, k, v, mask, scale, rope=rope)
+    v = k if v is None else v
+    if rope is not None:
+        q, k = torch.cat((q, rope[0]), dim=-1), torch.cat((k, rope[1]), dim=-1)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     # Under torch.compile the backend choice is process-wide (see graphs.compile_step).
     pick = q.is_cuda and not torch.compiler.is_compiling()
