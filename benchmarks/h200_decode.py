@@ -306,7 +306,7 @@ def round_costs(model, ctx_len: int, batches=(1,), rounds: int = 20, compile: bo
     budget = 8 * (limit + 1)
     max_len = ctx_len + budget + 1
     makers = {"plain": lambda: PlainSession(model, max_len, compile=compile)}
-    specs = {k: v for k, v in ROUND_SPECS.items() if names is None or k in names}
+    specs = ROUND_SPECS if names is None else {k: ROUND_SPECS[k] for k in names}  # in the order asked
     for name, (steps, topk, n) in specs.items():
         makers[name] = (lambda cfg: lambda: SpecSession(model, drafter, cfg, max_len, compile=compile))(
             SpecConfig(steps=steps, topk=topk, draft_tokens=n))

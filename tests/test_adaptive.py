@@ -151,7 +151,7 @@ def test_re_measurements_back_off_while_they_change_nothing():
 
 
 def test_policy_needs_a_margin_to_switch_and_re_measures_stale_arms():
-    policy = AdaptivePolicy([CHAIN], explore_every=10, alpha=1.0, tau_alpha=1.0)
+    policy = AdaptivePolicy([CHAIN], explore_every=10, alpha=1.0, tau_alpha=1.0, plain_margin=0.0)
     feed(policy, 1, {PLAIN: 1.0, CHAIN: 1.0}, {PLAIN: 1, CHAIN: 2}, 6)
     assert policy.current[1] == CHAIN
     # plain now 2% faster than the chain: within the margin, no switch (except explorations)
@@ -159,6 +159,42 @@ def test_policy_needs_a_margin_to_switch_and_re_measures_stale_arms():
     assert chosen.count(CHAIN) >= 17 and PLAIN in chosen  # PLAIN only as the stalest arm
     chosen = feed(policy, 1, {PLAIN: 1.0, CHAIN: 4.0}, {PLAIN: 1, CHAIN: 2}, 20)
     assert chosen[-5:] == [PLAIN] * 5
+
+
+def test_speculation_must_beat_plain_by_the_plain_margin():
+    """Rates within plain_margin of plain decoding keep plain rounds (costs no estimate sees fall
+    on speculation); a clear win still speculates."""
+    taus = {PLAIN: 1, CHAIN: 3}
+    policy = AdaptivePolicy([CHAIN], explore_every=1000, alpha=1.0, tau_alpha=1.0, tau_round_cap=1.0)
+    assert feed(policy, 64, {PLAIN: 1.0, CHAIN: 2.85}, taus, 10)[2:] == [PLAIN] * 8  # 5% faster
+    policy = AdaptivePolicy([CHAIN], explore_every=1000, alpha=1.0, tau_alpha=1.0, tau_round_cap=1.0)
+    assert feed(policy, 64, {PLAIN: 1.0, CHAIN: 2.5}, taus, 10)[2:] == [CHAIN] * 8  # 20% faster
+
+
+def test_joins_are_charged_to_the_arm_of_the_round_before():
+    """Speculation staggers when rows finish, so a continuous batch refills after more of its
+    rounds: the join time per round counts in the arm's rate (the H200 case: rounds 1.24x
+    faster than plain steps, but twice the joins, and the run 0.85x)."""
+    policy = AdaptivePolicy([CHAIN], explore_every=1000, alpha=1.0, tau_alpha=1.0, join_alpha=1.0,
+                            plain_margin=0.0)
+    feed(policy, 16, {PLAIN: 1.0, CHAIN: 2.0}, {PLAIN: 1, CHAIN: 3}, 3)
+    assert policy.choose(16) == CHAIN  # 1.5 tokens per unit of time against 1.0
+    policy.observe(CHAIN, 16, 2.0, [2] * 16)
+    policy.observe_join(2.0)  # a join after every chain round ...
+    policy.observe(CHAIN, 16, 2.0, [2] * 16)
+    assert policy.estimate(CHAIN, 16).join_seconds == 2.0 and policy.rate(CHAIN, 16) == 0.75
+    assert policy.choose(16) is PLAIN  # ... makes it lose: 3 / (2 + 2) < 1
+    assert policy.summary()[1]["join_ms_per_round"] == 2000.0
+
+
+def test_one_large_round_does_not_swing_tau():
+    """At batch 64 a round holds 64 rows: its weight in τ is capped (tau_round_cap), so one
+    round's acceptance moves τ by at most that share once the estimate is warm."""
+    policy = AdaptivePolicy([CHAIN], tau_alpha=0.05)
+    for _ in range(20):
+        policy.observe(CHAIN, 64, 1.0, [3] * 64)  # τ 4 from 1280 rows
+    policy.observe(CHAIN, 64, 1.0, [0] * 64)  # a bad round: without the cap, 96% of the new τ
+    assert policy.taus[CHAIN] == pytest.approx(4 - 0.2 * 3)
 
 
 class Scripted(AdaptivePolicy):
@@ -292,6 +328,25 @@ def test_the_drafter_catch_up_is_not_timed_as_the_arm_s_round(pair, monkeypatch)
     assert [arm for arm, _ in seconds] == [None] * 3 + [CHAIN] * 2
     first_spec = seconds[3][1]
     assert first_spec is not None and first_spec < 0.5  # timed, and without the catch-up
+
+
+def test_session_reports_joins_made_while_rows_decode(pair):
+    """A prefill of newcomers into a running batch is part of the cost of the arm before it; the
+    first join (nothing decoding yet) and empty adds are not."""
+    from draftsman.session import Request
+
+    target, drafter = pair
+    policy = Scripted([CHAIN] * 4)
+    joins = []
+    policy.observe_join = joins.append
+    session = SpecSession(target, drafter, None, 120, policy=policy)
+    rules = StopRules(max_new_tokens=30)
+    session.add([Request(0, prompts()[0], rules)])
+    session.step()
+    session.add([])
+    assert joins == []
+    session.add([Request(1, prompts()[1], rules)])
+    assert len(joins) == 1 and joins[0] > 0
 
 
 def test_session_wants_a_spec_or_a_policy(pair):

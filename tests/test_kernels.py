@@ -109,6 +109,7 @@ def test_moe_kernel_matches_the_grouped_loop_on_cuda(n, dtype):
     from draftsman.models import deepseek
 
     experts, x, weights, ids = routed(n, e=64, k=6, hidden=256, inner=176, device="cuda", dtype=dtype)
+    experts.requires_grad_(False)  # a frozen target's experts (with autograd recording: the loop)
     got = moe_experts(x, weights, ids, experts.gate_proj, experts.up_proj, experts.down_proj)
     if n * 6 <= 16:  # the GEMV-style kernels ran: the grouped ones must agree with them
         from draftsman.kernels.moe import moe_experts_gemv
@@ -568,7 +569,10 @@ def test_moonlight_decode_kernels_match_pytorch_on_cuda():
         for p in shared.parameters():
             p.normal_(0, 0.02, generator=g)
     gate_up = torch.cat((shared.gate_proj.weight, shared.up_proj.weight))
-    got = moe_experts_gemv(xe, w_e, ids_e, experts.gate_proj, experts.up_proj, experts.down_proj,
-                           shared=(gate_up, shared.down_proj.weight))
-    ref = experts.float().grouped(xe.float(), w_e, ids_e) + shared.float()(xe.float())
-    torch.testing.assert_close(got.float(), ref, rtol=3e-2, atol=3e-2)
+    with torch.no_grad():
+        got = moe_experts_gemv(xe, w_e, ids_e, experts.gate_proj, experts.up_proj, experts.down_proj,
+                               shared=(gate_up, shared.down_proj.weight))
+        torch_bf16 = experts.grouped(xe, w_e, ids_e) + shared(xe)
+        ref = experts.float().grouped(xe.float(), w_e, ids_e) + shared.float()(xe.float())
+    # bf16 rounds the inner activations (values ~100 here): no further from fp32 than PyTorch's bf16
+    assert (got.float() - ref).abs().max() <= 1.5 * (torch_bf16.float() - ref).abs().max() + 1e-3

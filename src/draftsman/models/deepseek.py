@@ -39,9 +39,10 @@ _KERNEL_FAILED: list[str] = []
 
 
 def _kernels_usable(x: Tensor, *weights: Tensor) -> bool:
-    """The Triton MoE kernels apply: inference on CUDA, Triton present, no earlier failure."""
-    return (x.is_cuda and triton_available() and not _KERNEL_FAILED
-            and not any(w.requires_grad for w in (x, *weights)))
+    """The Triton MoE kernels apply: on CUDA, Triton present, no earlier failure, and no
+    autograd graph to record (they have no backward)."""
+    recording = torch.is_grad_enabled() and any(w.requires_grad for w in (x, *weights))
+    return x.is_cuda and triton_available() and not _KERNEL_FAILED and not recording
 
 
 def _kernel_failed(e: Exception) -> None:
@@ -208,7 +209,8 @@ class Router(nn.Module):
         from draftsman.kernels.router import route
 
         moe, w = self.moe, self.weight.float()
-        logits = gemv(x.float(), w, block_n=4) if x.shape[0] <= 8 else F.linear(x.float(), w)
+        # (2 experts a program: 32 programs over Moonlight's 64 x 2048 fp32 router)
+        logits = gemv(x.float(), w, block_n=2) if x.shape[0] <= 8 else F.linear(x.float(), w)
         return route(logits, self.e_score_correction_bias, moe.num_experts_per_tok, moe.n_group, moe.topk_group,
                      moe.norm_topk_prob, moe.routed_scaling_factor)
 

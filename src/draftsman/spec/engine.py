@@ -28,7 +28,7 @@ from draftsman.kvcache import StaticCache
 from draftsman.models.base import TargetModel
 from draftsman.models.layers import slot_mask
 from draftsman.sampling import SamplingParams, greedy_argmax
-from draftsman.session import DecodeSession, Event, run_to_completion
+from draftsman.session import DecodeSession, Event, Request, run_to_completion
 from draftsman.spec.tree import CandidatePool, VerifyTree, check_tree_args, select_tree
 from draftsman.spec.verify import (
     AcceptResult,
@@ -138,6 +138,17 @@ class SpecSession(DecodeSession):
                          else step(**inputs))
         rows = torch.arange(tokens.shape[0], device=tokens.device)
         return logits[rows, last], h[rows, last]
+
+    @torch.no_grad()
+    def add(self, requests: Sequence[Request]) -> list[Event]:
+        """DecodeSession.add; with a policy, a join while rows decode is reported to it (its
+        prefill is part of what the arm before it costs: spec/adaptive.py)."""
+        running = bool(self.rows)
+        start = time.perf_counter()
+        events = super().add(requests)  # (ends in a host sync: the first tokens)
+        if self.policy is not None and running and requests:
+            self.policy.observe_join(time.perf_counter() - start)
+        return events
 
     # ---- one round ----------------------------------------------------------------------
     def _round(self) -> list[Event]:
