@@ -355,22 +355,24 @@ def test_session_wants_a_spec_or_a_policy(pair):
         SpecSession(target, drafter, None, 50)
 
 
-def test_catch_up_leaves_the_drafter_as_a_fresh_prefill_would(pair):
+@pytest.mark.parametrize("plain_rounds", [5, BACKLOG + 30])
+def test_catch_up_leaves_the_drafter_as_a_fresh_prefill_would(pair, plain_rounds):
     """After plain rounds, the drafter's state (its output at position n-1) equals what a drafter
-    prefilled over the whole committed text computes: the backlog pairs went in, in place."""
+    prefilled over the whole committed text computes: the backlog pairs went in, in place, also
+    after a plain stretch longer than the backlog (it is flushed when full, none dropped)."""
     from draftsman.session import Request
 
     target, drafter = pair
     prompt = prompts()[0]
-    session = SpecSession(target, drafter, None, 120, policy=Scripted([CHAIN] * 3 + [None] * 5))
-    req = Request(0, prompt, StopRules(max_new_tokens=100), SamplingParams(temperature=0.0))
+    session = SpecSession(target, drafter, None, 260, policy=Scripted([CHAIN] * 3 + [None] * plain_rounds))
+    req = Request(0, prompt, StopRules(max_new_tokens=200), SamplingParams(temperature=0.0))
     session.add([req])
-    for _ in range(8):
+    for _ in range(3 + plain_rounds):
         session.step()
     stale = session.tensors["d_logits"].clone()
     session._catch_up()
     *committed, root = prompt + req.state.tokens
-    fresh = SpecSession(target, drafter, CHAIN, 120)
+    fresh = SpecSession(target, drafter, CHAIN, 260)
     fresh.add([Request(1, committed, StopRules(max_new_tokens=5), SamplingParams(temperature=0.0))])
     assert fresh.rows[0].state.tokens == [root]
     torch.testing.assert_close(session.tensors["d_logits"], fresh.tensors["d_logits"], rtol=1e-4, atol=1e-4)
