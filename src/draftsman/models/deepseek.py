@@ -309,10 +309,13 @@ class MoE(nn.Module):
         """The shared experts' (gate_up, down) weights when the decode kernels can take them
         along with the routed ones: few assignments, plain stacked experts (not packed INT4, not
         the all-experts path), fused shared gate/up (inference), one dtype."""
+        e, shared = self.experts, getattr(self, "shared_experts", None)
+        if not SHARED_WITH_ROUTED or shared is None or type(e) is not Experts or not _kernels_usable(flat, e.gate_proj):
+            return None
+        # (kernels.moe imports Triton: only once _kernels_usable found it)
         from draftsman.kernels.moe import GEMV_ASSIGNMENTS
 
-        e, shared = self.experts, getattr(self, "shared_experts", None)
-        if not SHARED_WITH_ROUTED or shared is None or ids.numel() > GEMV_ASSIGNMENTS or type(e) is not Experts:
+        if ids.numel() > GEMV_ASSIGNMENTS:
             return None
         if e.gate_proj.shape[0] <= 2 * ids.shape[1] or not hasattr(shared, "gate_up_proj"):
             return None
@@ -321,7 +324,7 @@ class MoE(nn.Module):
             return None
         if down.in_features % e.gate_proj.shape[1]:  # shared inner: whole multiples of an expert's
             return None
-        if not _kernels_usable(flat, e.gate_proj) or len({e.gate_proj.dtype, gate_up.weight.dtype, flat.dtype}) != 1:
+        if len({e.gate_proj.dtype, gate_up.weight.dtype, flat.dtype}) != 1:
             return None
         return gate_up.weight, down.weight
 
