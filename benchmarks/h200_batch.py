@@ -34,11 +34,13 @@ def main() -> None:
     ap.add_argument("--temperature", default="0")
     ap.add_argument("--out")
     ap.add_argument("--h200-json")
+    ap.add_argument("--graph-prefill", action="store_true", help="draftsman bench --graph-prefill (staged prefills)")
     args = ap.parse_args()
     result, cmd = run_bench(["--dataset", args.dataset, "--num-prompts", str(args.num_prompts),
                              "--max-new-tokens", str(args.max_new_tokens), "--temperature", args.temperature,
                              "--device", args.device, "--batch-sizes", args.batch_sizes, "--spec-adaptive",
-                             "--warmup", str(args.num_prompts if args.warmup is None else args.warmup)])
+                             "--warmup", str(args.num_prompts if args.warmup is None else args.warmup),
+                             *(["--graph-prefill"] if args.graph_prefill else [])])
     by_batch: dict = {}
     for a in result["arms"]:
         by_batch.setdefault(str(a["batch_size"]), {})[a["arm"]] = {
@@ -50,7 +52,7 @@ def main() -> None:
     minimum = {a: min(b[a]["speedup"] for b in by_batch.values()) for a in arms}
     summary = {"device": result["device"], "dtype": result["dtype"], "dataset": args.dataset,
                "temperature": float(args.temperature), "num_prompts": args.num_prompts,
-               "max_new_tokens": args.max_new_tokens,
+               "max_new_tokens": args.max_new_tokens, "graph_prefill": args.graph_prefill,
                "warmup": args.num_prompts if args.warmup is None else args.warmup, "by_batch": by_batch, "min_speedup": minimum,
                "min_speedup_over_batches": minimum["spec-adaptive"], "command": " ".join(cmd[1:])}
     write_results(args.out, {"summary": summary, "bench": result})

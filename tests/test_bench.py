@@ -147,6 +147,20 @@ def test_adaptive_arm_is_lossless_and_reports_its_choices(pair):
     assert all(a["adaptive"] is None for name, a in arms.items() if name != "spec-adaptive")
 
 
+def test_graph_prefill_reaches_every_arm_s_session(pair):
+    """bench --graph-prefill: each arm's session (plain, fixed, adaptive) gets graph_prefill."""
+    target_dir, drafter_dir, _ = pair
+    target = draftsman.load_target(target_dir)
+    drafter = draftsman.load_drafter(drafter_dir, target=target)
+    workload = bench.Workload([[5, 6, 7]], draftsman.generate.StopRules(max_new_tokens=4),
+                              draftsman.sampling.SamplingParams(temperature=0.0), graph_prefill=True)
+    spec = bench.SpecConfig(steps=2, topk=1, draft_tokens=3)
+    for arm in (None, spec, bench.ADAPTIVE):
+        assert bench.make_session(target, drafter, arm, workload, [spec]).graph_prefill is True
+    assert bench.make_session(target, drafter, None, bench.Workload([[5]], workload.rules, workload.params)
+                              ).graph_prefill is False
+
+
 def test_partial_acceptance_matches_engine(tiny_llama_dir):
     """With a drafter that is right only sometimes, per-position acceptance is non-trivial, adds up
     to τ, and continuous batching leaves it equal to a SpecEngine run of the same prompts."""

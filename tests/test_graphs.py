@@ -136,6 +136,39 @@ def test_graphed_sessions_equal_eager_ones(spec, temperature):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("spec", [None, SPECS[1]], ids=["plain", "tree"])
+def test_graphed_prefills_decode_like_eager_ones(spec):
+    """graph_prefill on the GPU (fp32 reference pair): prefills captured over the staging caches
+    decode what eager prefills do, for the first batch and for a join into a running batch; a
+    later join of the same padded shape replays without a capture."""
+    from draftsman.session import Request
+
+    target_dir, drafter_dir = draftsman.reference_pair()
+    target = draftsman.load_target(target_dir, device="cuda")
+    drafter = draftsman.load_drafter(drafter_dir, target=target, device="cuda")
+    rules = StopRules(max_new_tokens=20)
+    outs = []
+    for staged in (False, True):
+        session = new_session(target, drafter, spec, max_len=96, graph_prefill=staged)
+        reqs = [Request(i, p, rules, SamplingParams(temperature=0.0)) for i, p in enumerate(prompts() + prompts(seed=1))]
+        session.add(reqs[:2])
+        session.step()
+        session.add(reqs[2:4])  # a join into the running batch (2 rows, 16 columns)
+        before = graph_table(target).captures
+        session.add(reqs[4:])  # the first prefill's padded shape (2 rows, 32 columns): replayed
+        while session.num_running:
+            session.step()
+        outs.append([r.state.tokens for r in reqs])
+        if staged:
+            assert any(key[0][0] == "prefill" for key in graph_table(target).runners)
+            assert graph_table(target).captures == before  # (prefill, 2 rows, 32 columns) replayed
+    assert outs[0] == outs[1]
+    for module in (target, drafter):
+        assert not graph_table(module).failed, graph_table(module).failed
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("spec", SPECS, ids=["chain", "tree"])
 def test_graphed_speculation_equals_plain_decoding_in_fp32(spec):
     """Greedy speculation on the GPU (whole-round graphs) decodes exactly what graphed plain

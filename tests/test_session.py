@@ -121,3 +121,37 @@ def test_rows_leave_and_join_in_place():
     assert cache.buffers["k"].data_ptr() == ptr and cache.buffers["k"][:, :, 0, 0].tolist() == [[3.0, 1.0, 9.0]] * 2
     cache.append_rows(other)  # outgrows it: a new allocation of 4 rows, rows kept
     assert cache.capacity == 4 and cache.buffers["k"][:, :, 0, 0].tolist() == [[3.0, 1.0, 9.0, 9.0]] * 2
+
+
+@pytest.mark.parametrize("kind", ["plain", "spec", "adaptive"])
+def test_staged_prefills_decode_the_same(target, kind):
+    """graph_prefill: newcomers prefilled as static steps over reused staging caches (prompt
+    columns padded to a power of two, rows to one) decode exactly as plain prefills do, for
+    the first batch and for rows joining a running one; the running rows never share the
+    staging cache's memory. On CPU the steps run eagerly with the padding (graphs: -m gpu)."""
+    from draftsman.spec.adaptive import AdaptivePolicy
+
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (6, 11, 19, 4, 9)]
+    rules = StopRules(max_new_tokens=14)
+    alone = generate_plain(target, prompts, rules).token_ids
+
+    def session():
+        if kind == "adaptive":
+            cfg = SpecConfig(steps=3, topk=2, draft_tokens=6)
+            s = SpecSession(target, init_drafter(target, seed=3), None, 96, seed=0,
+                            policy=AdaptivePolicy([cfg], explore_every=4))
+        else:
+            s = make_session(kind, target)
+        s.static = s.pad = s.graph_prefill = True
+        return s
+
+    s = session()
+    reqs = [Request(i, p, rules) for i, p in enumerate(prompts)]
+    s.add(reqs[:2])
+    assert s._staging and all(c is not t for c in s.caches for t in s._staging.values())
+    s.step()
+    s.add(reqs[2:])  # three rows (padded to four), a 19-token prompt (32 columns)
+    while s.num_running:
+        s.step()
+    assert [r.state.tokens for r in reqs] == alone

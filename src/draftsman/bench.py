@@ -470,6 +470,7 @@ class Workload:
     warmup: int = 0
     seed: int | None = None
     compile: bool = False  # torch.compile the step forwards (DecodeSession's compile)
+    graph_prefill: bool = False  # staged (graphed) prefills of newcomers (DecodeSession's graph_prefill)
 
     @property
     def max_len(self) -> int:
@@ -481,11 +482,14 @@ def make_session(target, drafter, spec: SpecConfig | str | None, workload: Workl
     """spec: None (plain), a SpecConfig, or ADAPTIVE (a fresh AdaptivePolicy over candidates)."""
     w = workload
     if spec is None:
-        return PlainSession(target, w.max_len, seed=w.seed, compile=w.compile)
-    if spec == ADAPTIVE:
-        return SpecSession(target, drafter, None, w.max_len, seed=w.seed,
-                           policy=AdaptivePolicy(candidates), compile=w.compile)
-    return SpecSession(target, drafter, spec, w.max_len, seed=w.seed, compile=w.compile)
+        session = PlainSession(target, w.max_len, seed=w.seed, compile=w.compile)
+    elif spec == ADAPTIVE:
+        session = SpecSession(target, drafter, None, w.max_len, seed=w.seed,
+                              policy=AdaptivePolicy(candidates), compile=w.compile)
+    else:
+        session = SpecSession(target, drafter, spec, w.max_len, seed=w.seed, compile=w.compile)
+    session.graph_prefill = w.graph_prefill
+    return session
 
 
 def _requests(prompts: Sequence[Sequence[int]], workload: Workload, prefix: str = "") -> list[Request]:

@@ -134,6 +134,17 @@ class StaticCache:
         self.buffers = {name: base[:, : b + m] for name, base in self._base.items()}
         self.batch_size = b + m
 
+    def use_rows(self, rows: int) -> None:
+        """Present the first `rows` rows of the allocation (growing it if needed), whatever they
+        hold: a staging cache that a prefill then overwrites."""
+        self.reserve(rows)
+        self.buffers = {name: base[:, :rows] for name, base in self._base.items()}
+        self.batch_size = rows
+
+    def clone_rows(self) -> StaticCache:
+        """A new cache holding copies of the live rows (an allocation of its own)."""
+        return StaticCache({name: buf.clone() for name, buf in self.buffers.items()})
+
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 

@@ -16,6 +16,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from draftsman.generate import RowState, StopRules, pad_prompts
@@ -95,6 +96,10 @@ class DecodeSession(abc.ABC):
         # Static steps run on batches padded to a power of two (rows copied from row 0 into
         # cache rows past the live ones), so a graph serves every batch size of its bucket.
         self.pad = self.graphed
+        # Prefills of newcomers through staging caches, prompts padded to a power of two, as
+        # static steps (so graphed): see _staged_prefill. Off by default until measured.
+        self.graph_prefill = False
+        self._staging: dict[str, StaticCache] = {}
 
     # ---- public ------------------------------------------------------------------------
     @property
@@ -128,6 +133,8 @@ class DecodeSession(abc.ABC):
                                     self.target.config.num_attention_heads):
             batch = [requests[i] for i in group]
             ids, lengths = pad_prompts([r.prompt for r in batch], self.device)
+            if self._staged_prefill(ids):  # columns to a power of two: few prefill graphs
+                ids = F.pad(ids, (0, prefill_columns(ids.shape[1]) - ids.shape[1]))
             caches, tensors, tokens = self._prefill(ids, lengths, self._sampling_tensors([r.params for r in batch]))
             self._join(batch, caches, tensors)
             first += tokens.tolist()
@@ -234,8 +241,28 @@ class DecodeSession(abc.ABC):
         self._keep([i for i, r in enumerate(self.rows) if not r.state.done])
         return events
 
+    def _staged_prefill(self, ids: Tensor) -> bool:
+        """Whether a prefill of these (unpadded) prompts runs as a static step over staging
+        caches: graph_prefill on, static steps, and at most GRAPH_PREFILL_TOKENS padded tokens
+        (a graph keeps its outputs, and long prefills are not launch-bound anyway)."""
+        cols = prefill_columns(ids.shape[1])
+        return (self.graph_prefill and self.static and cols <= self.max_len
+                and pow2_ceil(ids.shape[0]) * cols <= GRAPH_PREFILL_TOKENS)
+
+    def staging(self, name: str, new_cache, rows: int) -> StaticCache:
+        """The session's staging cache `name` (made by new_cache(rows) once, then reused, so
+        graphs captured over it replay), presenting `rows` rows."""
+        cache = self._staging.get(name)
+        if cache is None:
+            cache = self._staging[name] = new_cache(rows)
+        cache.use_rows(rows)
+        return cache
+
     def _join(self, rows: list[Request], caches: list[StaticCache], tensors: dict[str, Tensor]) -> None:
         if not self.caches:
+            # A staging cache is reused by the next prefill: the running rows get their own.
+            staged = {id(c) for c in self._staging.values()}
+            caches = [c.clone_rows() if id(c) in staged else c for c in caches]
             self.rows, self.caches, self.tensors = rows, caches, tensors
             return
         # Rows join the existing caches, even when all earlier rows have left: their
@@ -259,8 +286,18 @@ class PlainSession(DecodeSession):
     """Plain autoregressive decoding: one token per row per target forward."""
 
     def _prefill(self, ids, lengths, sampling):
-        cache = self.target.new_cache(ids.shape[0], self.max_len)
-        logits = self.target(ids, cache=cache, logits_index=(lengths - 1)[:, None])[:, 0]
+        last = (lengths - 1)[:, None]
+        if self._staged_prefill(ids):
+            cache = self.staging("target", lambda b: self.target.new_cache(b, self.max_len), ids.shape[0])
+
+            def step(ids: Tensor, last: Tensor) -> Tensor:
+                positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape)
+                return self.target.run(ids, positions, cache=cache, cache_index=positions,
+                                  attn_mask=slot_mask(positions, ids.shape[1]), logits_index=last).logits[:, 0]
+            logits = self.run_step(self.target, ("prefill",), step, [cache], ids=ids, last=last)
+        else:
+            cache = self.target.new_cache(ids.shape[0], self.max_len)
+            logits = self.target(ids, cache=cache, logits_index=last)[:, 0]
         greedy = bool((sampling["temperature"] == 0).all())
         first = self.sample_next(logits, sampling, greedy)
         return [cache], {"cur": lengths.clone(), "last": first, **sampling}, first
@@ -287,6 +324,16 @@ class PlainSession(DecodeSession):
 
 # Smallest attention span of a static-shape step (DecodeSession.span).
 SPAN_MIN = 64
+
+# Staged prefills (graph_prefill): prompt columns padded to a power of two, at least this many,
+# and at most this many padded tokens (rows x columns) per staged prefill.
+PREFILL_MIN_COLUMNS = 16
+GRAPH_PREFILL_TOKENS = 4096
+
+
+def prefill_columns(length: int) -> int:
+    """Columns a staged prefill of prompts up to `length` tokens runs with."""
+    return max(PREFILL_MIN_COLUMNS, pow2_ceil(length))
 
 # Attention scores one prefill may hold (rows x heads x prompt x slots): large batches of long
 # prompts are prefilled in groups, so a kernel that materializes the scores stays within ~1 GB.

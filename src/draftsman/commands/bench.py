@@ -126,6 +126,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="add a `spec-adaptive` arm: per round, one of the --spec-* settings or plain "
                         "decoding, whichever measured round times and acceptance say is fastest at "
                         "the running batch size (in-process, needs --drafter)")
+    p.add_argument("--graph-prefill", action="store_true",
+                   help="prefill newcomers as CUDA-graphed static steps over reused staging caches, prompts "
+                        "padded to a power of two: cheap joins of small batches (in-process, on a GPU; no "
+                        "effect on CPU, which runs no static steps)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode/draft/verify forwards (in-process; each new step shape "
                         "compiles first: seconds on small models, minutes on 8B ones; warm up with --warmup)")
@@ -184,9 +188,9 @@ def check_args(args: argparse.Namespace) -> None:
     if args.server_url:
         if args.drafter:
             raise ValueError("--drafter is for in-process mode (--target); a server uses its own")
-        if any(f is not None for f in spec_flags) or args.spec_adaptive or args.compile:
-            raise ValueError("--spec-* flags and --compile are for in-process mode; a server uses its own "
-                             "configuration")
+        if any(f is not None for f in spec_flags) or args.spec_adaptive or args.compile or args.graph_prefill:
+            raise ValueError("--spec-* flags, --compile and --graph-prefill are for in-process mode; a server uses "
+                             "its own configuration")
     else:
         if args.baseline_url:
             raise ValueError("--baseline-url needs --server-url (in-process mode measures plain decoding itself)")
@@ -253,7 +257,7 @@ def run_in_process(args: argparse.Namespace, prompts: list[str], batch_sizes: li
     rules = StopRules(args.max_new_tokens, frozenset(eos_token_ids(args.target, model.config.eos_token_ids, tokenizer)))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     workload = bench.Workload(ids, rules, params, tuple(batch_sizes), min(args.warmup, len(ids)), args.seed,
-                              compile=args.compile)
+                              compile=args.compile, graph_prefill=args.graph_prefill)
     if workload.max_len > model.config.max_position_embeddings:  # fail before any arm runs
         raise SystemExit(f"error: the longest prompt + --max-new-tokens needs {workload.max_len} positions, more "
                          f"than the target's max_position_embeddings={model.config.max_position_embeddings}")

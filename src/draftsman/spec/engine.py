@@ -102,22 +102,53 @@ class SpecSession(DecodeSession):
         d_extra = max((c.steps - 1) * c.topk + c.steps for c in self.shapes) + 2
         if self.policy is not None:
             d_extra += BACKLOG  # catch-up writes padding entries past n
-        t_cache = self.target.new_cache(b, self.max_len + t_extra)
-        d_cache = self.drafter.new_cache(b, self.max_len + d_extra)
         last = (lengths - 1)[:, None]
-        out = self.target.run(ids, cache=t_cache, aux_layer_ids=self.aux_ids, logits_index=last)
-        first = self.sample_next(out.logits[:, 0], sampling, bool((sampling["temperature"] == 0).all()))
+        positions = torch.arange(t, device=ids.device).expand(b, t)
+        staged = self._staged_prefill(ids)
+        if staged:  # static steps over staging caches (graphed): see DecodeSession._staged_prefill
+            t_cache = self.staging("target", lambda r: self.target.new_cache(r, self.max_len + t_extra), b)
+            d_cache = self.staging("drafter", lambda r: self.drafter.new_cache(r, self.max_len + d_extra), b)
+            logits, feats = self.run_step(self.target, ("prefill", self.aux_ids), self._staged_target_prefill(t_cache),
+                                          [t_cache], ids=ids, last=last)
+        else:
+            t_cache = self.target.new_cache(b, self.max_len + t_extra)
+            d_cache = self.drafter.new_cache(b, self.max_len + d_extra)
+            out = self.target.run(ids, cache=t_cache, aux_layer_ids=self.aux_ids, logits_index=last)
+            logits, feats = out.logits[:, 0], torch.cat(out.aux_hidden, -1)
+        first = self.sample_next(logits, sampling, bool((sampling["temperature"] == 0).all()))
         # Drafter pairs (x_{i+1}, f_i): the prompt shifted by one, the new token at len-1.
         shifted = torch.cat([ids[:, 1:], ids[:, :1]], 1).scatter(1, last, first[:, None])
-        positions = torch.arange(t, device=ids.device).expand(b, t)
-        d_logits, d_hidden = self._extend(d_cache, shifted, out.aux_hidden, positions, lengths - 1, prefill=True)
+        if staged:
+            out = self.run_step(self.drafter, ("prefill",), self._staged_drafter_prefill(d_cache), [d_cache],
+                                tokens=shifted, feats=feats, positions=positions, last=lengths - 1)
+            d_logits, d_hidden = (x.clone() for x in out)  # graph outputs: they outlive the next replay
+        else:
+            d_logits, d_hidden = self._extend(d_cache, shifted, feats, positions, lengths - 1, prefill=True)
         state = {"n": lengths.clone(), "root": first, "d_logits": d_logits, "d_hidden": d_hidden, **sampling}
         if self.policy is not None:  # (token, feature) pairs of plain rounds, for the drafter
-            feats = torch.cat(out.aux_hidden, -1)
             state |= {"bk_tokens": torch.zeros(b, BACKLOG, dtype=torch.long, device=ids.device),
                       "bk_feats": feats.new_zeros(b, BACKLOG, feats.shape[-1]),
                       "bk_count": torch.zeros(b, dtype=torch.long, device=ids.device)}
         return [t_cache, d_cache], state, first
+
+    def _staged_target_prefill(self, cache: StaticCache):
+        """The target's prefill as a static step: (logits at `last` [B, V], features [B, T, F])."""
+        def step(ids: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
+            positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape)
+            out = self.target.run(ids, positions, cache=cache, cache_index=positions,
+                                  attn_mask=slot_mask(positions, ids.shape[1]), aux_layer_ids=self.aux_ids,
+                                  logits_index=last)
+            return out.logits[:, 0], torch.cat(out.aux_hidden, -1)
+        return step
+
+    def _staged_drafter_prefill(self, cache: StaticCache):
+        """The drafter's prefill as a static step: its (logits, hidden) at `last` [B] of each row."""
+        def step(tokens: Tensor, feats: Tensor, positions: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
+            logits, h = self.drafter(tokens, self.drafter.project(feats), positions, cache=cache,
+                                     cache_index=positions, attn_mask=slot_mask(positions, tokens.shape[1]))
+            rows = torch.arange(tokens.shape[0], device=tokens.device)
+            return logits[rows, last], h[rows, last]
+        return step
 
     def _extend(self, d_cache: StaticCache, tokens: Tensor, aux: list[Tensor] | Tensor, positions: Tensor,
                 last: Tensor, prefill: bool = False, graph: bool = True) -> tuple[Tensor, Tensor]:
