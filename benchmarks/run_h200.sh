@@ -39,6 +39,7 @@ step decode_8b_mlp 300 python3 benchmarks/h200_decode.py \
   --out "$OUT/decode_8b_mlp.json" --h200-json "$H"
 step gemv_fused 120 python3 benchmarks/h200_gemv.py --fused-only --out "$OUT/gemv_fused_8b.json"
 step gemv 200 python3 benchmarks/h200_gemv.py --out "$OUT/gemv_8b.json"
+step gemv_moonlight 200 python3 benchmarks/h200_moonlight_gemv.py --out "$OUT/gemv_moonlight.json"
 step batch 240 python3 benchmarks/h200_batch.py --out "$OUT/batch.json" --h200-json "$H"
 step batch_graph_prefill 240 python3 benchmarks/h200_batch.py --graph-prefill --out "$OUT/batch_graph_prefill.json"
 step rounds_8b 150 python3 benchmarks/h200_decode.py --arms rounds --batches 1,4,16,64 \
