@@ -258,6 +258,18 @@ class DecodeSession(abc.ABC):
         cache.use_rows(rows)
         return cache
 
+    def staged_target_prefill(self, cache: StaticCache, aux_layer_ids: Sequence[int] = ()):
+        """The target's prefill over `cache` as a static step (explicit positions and causal
+        mask: nothing read back to the host): step(ids, last) -> (logits at `last` [B, V],) and,
+        with aux_layer_ids, the concatenated features [B, T, F]."""
+        def step(ids: Tensor, last: Tensor) -> tuple[Tensor, ...]:
+            positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape)
+            out = self.target.run(ids, positions, cache=cache, cache_index=positions,
+                                  attn_mask=slot_mask(positions, ids.shape[1]), aux_layer_ids=aux_layer_ids,
+                                  logits_index=last)
+            return (out.logits[:, 0], torch.cat(out.aux_hidden, -1)) if aux_layer_ids else (out.logits[:, 0],)
+        return step
+
     def _join(self, rows: list[Request], caches: list[StaticCache], tensors: dict[str, Tensor]) -> None:
         if not self.caches:
             # A staging cache is reused by the next prefill: the running rows get their own.
@@ -289,12 +301,8 @@ class PlainSession(DecodeSession):
         last = (lengths - 1)[:, None]
         if self._staged_prefill(ids):
             cache = self.staging("target", lambda b: self.target.new_cache(b, self.max_len), ids.shape[0])
-
-            def step(ids: Tensor, last: Tensor) -> Tensor:
-                positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape)
-                return self.target.run(ids, positions, cache=cache, cache_index=positions,
-                                  attn_mask=slot_mask(positions, ids.shape[1]), logits_index=last).logits[:, 0]
-            logits = self.run_step(self.target, ("prefill",), step, [cache], ids=ids, last=last)
+            logits, = self.run_step(self.target, ("prefill",), self.staged_target_prefill(cache), [cache], ids=ids,
+                                    last=last)
         else:
             cache = self.target.new_cache(ids.shape[0], self.max_len)
             logits = self.target(ids, cache=cache, logits_index=last)[:, 0]

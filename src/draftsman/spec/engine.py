@@ -108,8 +108,9 @@ class SpecSession(DecodeSession):
         if staged:  # static steps over staging caches (graphed): see DecodeSession._staged_prefill
             t_cache = self.staging("target", lambda r: self.target.new_cache(r, self.max_len + t_extra), b)
             d_cache = self.staging("drafter", lambda r: self.drafter.new_cache(r, self.max_len + d_extra), b)
-            logits, feats = self.run_step(self.target, ("prefill", self.aux_ids), self._staged_target_prefill(t_cache),
-                                          [t_cache], ids=ids, last=last)
+            logits, feats = self.run_step(self.target, ("prefill", self.aux_ids),
+                                          self.staged_target_prefill(t_cache, self.aux_ids), [t_cache], ids=ids,
+                                          last=last)
         else:
             t_cache = self.target.new_cache(b, self.max_len + t_extra)
             d_cache = self.drafter.new_cache(b, self.max_len + d_extra)
@@ -130,16 +131,6 @@ class SpecSession(DecodeSession):
                       "bk_feats": feats.new_zeros(b, BACKLOG, feats.shape[-1]),
                       "bk_count": torch.zeros(b, dtype=torch.long, device=ids.device)}
         return [t_cache, d_cache], state, first
-
-    def _staged_target_prefill(self, cache: StaticCache):
-        """The target's prefill as a static step: (logits at `last` [B, V], features [B, T, F])."""
-        def step(ids: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
-            positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape)
-            out = self.target.run(ids, positions, cache=cache, cache_index=positions,
-                                  attn_mask=slot_mask(positions, ids.shape[1]), aux_layer_ids=self.aux_ids,
-                                  logits_index=last)
-            return out.logits[:, 0], torch.cat(out.aux_hidden, -1)
-        return step
 
     def _staged_drafter_prefill(self, cache: StaticCache):
         """The drafter's prefill as a static step: its (logits, hidden) at `last` [B] of each row."""
