@@ -118,6 +118,17 @@ def test_policy_keeps_to_captured_arms_unless_a_capture_clearly_pays():
     assert policy.choose(1, ready=lambda a: a is TREE) == CHAIN
 
 
+def test_policy_asks_readiness_once_per_arm_and_round():
+    """The session's readiness answer costs host time (graph keys): one question per arm at most."""
+    policy = AdaptivePolicy([CHAIN, TREE], explore_every=3)
+    asked: list = []
+    for _ in range(30):
+        before = len(asked)
+        arm = policy.choose(4, ready=lambda a: asked.append(a) or a is not TREE)
+        assert len(asked) - before == len(set(asked[before:]))
+        policy.observe(arm, 4, {PLAIN: 1.0, CHAIN: 1.5, TREE: 2.0}[arm], [2] * 4)
+
+
 def test_untimed_rounds_count_acceptance_not_cost():
     """Rounds that captured a CUDA graph report no time: a capture must not make an arm look slow."""
     policy = AdaptivePolicy([CHAIN], explore_every=1000, alpha=1.0, tau_alpha=1.0)
@@ -301,6 +312,29 @@ def test_session_knows_which_graphs_a_round_would_capture(pair, monkeypatch):
         assert kinds == ["plain"] if arm is None else kinds in (["round"], ["extend", "round"]), kinds
         caught_up.append(kinds[0] == "extend")
     assert caught_up == [False, False, False, False, True, False, True]  # after each plain stretch
+
+
+def test_session_remembers_captured_shapes_until_the_tables_capture(pair, monkeypatch):
+    """_captured asks the graph tables once per shape while they capture nothing new; after a
+    capture (which may evict a graph) it asks again."""
+    from draftsman.graphs import GraphTable
+    from draftsman.session import Request
+
+    asked = []
+    monkeypatch.setattr(GraphTable, "has", lambda self, key: asked.append(key) or True)
+    target, drafter = pair
+    session = SpecSession(target, drafter, None, 120, policy=Scripted([CHAIN]))
+    session.static = session.pad = session.graphed = True
+    session.add([Request(0, prompts()[0], StopRules(max_new_tokens=40))])
+    assert session._captured(CHAIN) and session._captured(None)
+    n = len(asked)
+    assert session._captured(CHAIN) and session._captured(None) and len(asked) == n  # remembered
+    from draftsman.graphs import graph_table
+    graph_table(target).captures += 1  # the tables captured a graph
+    try:
+        assert session._captured(CHAIN) and len(asked) > n
+    finally:
+        graph_table(target).captures -= 1
 
 
 def test_the_drafter_catch_up_is_not_timed_as_the_arm_s_round(pair, monkeypatch):

@@ -116,7 +116,13 @@ class AdaptivePolicy:
         would capture, and choosing one needs `capture_margin` over the best captured arm);
         None: every arm is ready."""
         self.round += 1
-        is_ready = ready or (lambda arm: True)
+        answers: dict[Hashable, bool] = {}
+
+        def is_ready(arm: SpecConfig | None) -> bool:  # asked once per arm and round (it costs host time)
+            if arm not in answers:
+                answers[arm] = ready is None or ready(arm)
+            return answers[arm]
+
         rates = {arm: self.rate(arm, batch) for arm in self.arms}
         untried = [arm for arm, r in rates.items() if r is None]
         if untried:  # time every arm in this bucket before choosing
@@ -132,10 +138,10 @@ class AdaptivePolicy:
                 self._probed[b] = self.current.get(b)
                 return probes[0]
         best = max(scores, key=lambda arm: scores[arm])
-        captured = [arm for arm in scores if is_ready(arm)]
-        if not is_ready(best) and captured:
+        if not is_ready(best):
             # A capture costs several rounds: the best captured arm, unless the gain clearly pays
-            alt = max(captured, key=lambda arm: scores[arm])
+            captured = [arm for arm in scores if is_ready(arm)]
+            alt = max(captured, key=lambda arm: scores[arm]) if captured else best
             if scores[best] <= scores[alt] * (1 + self.capture_margin):
                 best = alt
         if b in self.current and is_ready(self.current[b]):
