@@ -282,7 +282,7 @@ ROUND_SPECS = {"chain6": (5, 1, 6), "tree16": (5, 4, 16), "tree32": (6, 6, 32), 
 
 
 def round_costs(model, ctx_len: int, batches=(1,), rounds: int = 20, compile: bool = False,
-                names: list[str] | None = None, progress=None) -> dict:
+                names: list[str] | None = None, progress=None, profile: bool = False) -> dict:
     """ms of one engine step (plain: a decode step; spec: a whole round, draft + verify + accept +
     drafter extension, greedy so the round is one graph) with an 8B-shaped drafter, per batch
     size: the mean over `rounds` steady session.step() calls, each timed by the host clock and
@@ -292,7 +292,9 @@ def round_costs(model, ctx_len: int, batches=(1,), rounds: int = 20, compile: bo
     counts the others. Speculation's break-even tau at a batch size is its round time over the
     plain step time. compile: the sessions' torch.compile'd forwards. names: ROUND_SPECS keys to
     run (default all; each new verify/draft shape compiles for a minute at 8B). progress(dict):
-    called with the figures so far after each arm (a deadline may cut the run)."""
+    called with the figures so far after each arm (a deadline may cut the run). profile: also
+    each arm's kernels at the first batch size, over 3 more steps run without graphs (the same
+    forwards, compiled or not; graph replays hide their kernels from the profiler)."""
     from draftsman.generate import StopRules
     from draftsman.graphs import captures
     from draftsman.models.eagle3 import init_drafter
@@ -303,7 +305,7 @@ def round_costs(model, ctx_len: int, batches=(1,), rounds: int = 20, compile: bo
     drafter = init_drafter(model, draft_vocab_size=min(32000, vocab), seed=0, dtype=model.embed_tokens.weight.dtype)
     gen = torch.Generator().manual_seed(2)
     limit = 3 * rounds + 8  # steps per arm at most
-    budget = 8 * (limit + 1)
+    budget = 8 * (limit + 4)  # (3 more steps to profile)
     max_len = ctx_len + budget + 1
     makers = {"plain": lambda: PlainSession(model, max_len, compile=compile)}
     specs = ROUND_SPECS if names is None else {k: ROUND_SPECS[k] for k in names}  # in the order asked
@@ -314,7 +316,7 @@ def round_costs(model, ctx_len: int, batches=(1,), rounds: int = 20, compile: bo
     out: dict = {}
     for b in batches:
         prompts = [torch.randint(0, min(128000, vocab), (ctx_len,), generator=gen).tolist() for _ in range(b)]
-        ms, skipped = {}, {}
+        ms, skipped, kernels = {}, {}, {}
         for name, make in makers.items():
             session = make()
             session.add([Request(i, p, StopRules(max_new_tokens=budget)) for i, p in enumerate(prompts)])
@@ -335,11 +337,14 @@ def round_costs(model, ctx_len: int, batches=(1,), rounds: int = 20, compile: bo
             if len(times) < rounds:
                 raise RuntimeError(f"{name}: only {len(times)} steady steps in {limit}")
             ms[name] = sum(times) / len(times) * 1e3
+            if profile and b == batches[0]:
+                session.graphed = False
+                kernels[name] = profile_step(session.step, {}, steps=3)
             del session
             if progress is not None:
-                progress({"batch": b, "ms": dict(ms), "captures_skipped": dict(skipped)})
+                progress({"batch": b, "ms": dict(ms), "captures_skipped": dict(skipped), "profile": dict(kernels)})
         out[str(b)] = {"ms": ms, "over_plain_step": {k: v / ms["plain"] for k, v in ms.items() if k != "plain"},
-                       "captures_skipped": skipped}
+                       "captures_skipped": skipped, **({"profile": kernels} if kernels else {})}
     single = out[str(batches[0])]
     # Bytes bound at batch 1: a round runs `steps` drafter forwards (the extension over accepted
     # tokens seeds depth 1; steps - 1 draft forwards) besides the verify, and each reads the
@@ -381,7 +386,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--arms", default="hf_generate,engine_eager,graph_eager,graph_compiled,verify,draft")
-    ap.add_argument("--profile", action="store_true", help="graph arms: also profile kernels per step")
+    ap.add_argument("--profile", action="store_true",
+                    help="graph arms: also profile kernels per step; rounds: each arm's kernels per round")
     ap.add_argument("--no-fuse", action="store_true", help="separate q/k/v and gate/up GEMMs (as before fusion)")
     ap.add_argument("--compile-rounds", action="store_true", help="rounds arm: torch.compile'd sessions")
     ap.add_argument("--batches", default="1", help="rounds arm: batch sizes, comma list (default 1)")
@@ -477,7 +483,8 @@ def main() -> None:
                         res["arms"]["rounds_partial"] = figures
                         save()
                     r = round_costs(model, ctx, [int(b) for b in args.batches.split(",")], compile=args.compile_rounds,
-                                    names=args.round_specs.split(",") if args.round_specs else None, progress=partial)
+                                    names=args.round_specs.split(",") if args.round_specs else None, progress=partial,
+                                    profile=args.profile)
                     res["arms"].pop("rounds_partial", None)
                     r["compiled"] = args.compile_rounds
                 elif arm == "draft":
