@@ -144,6 +144,24 @@ def test_split_target_speculates_the_same(llama):
     assert outs[0] == outs[1]
 
 
+def test_staged_prefills_leave_a_split_target_eager(llama):
+    """graph_prefill on a target split over devices (per-layer caches, no staging buffers):
+    prefills stay eager and decode the same."""
+    from draftsman.sampling import SamplingParams
+    from draftsman.session import PlainSession, run_to_completion
+
+    plain, split = llama
+    prompts = [[5, 9, 17, 33], [7, 7, 40, 2, 90, 11, 3]]
+    outs = []
+    for target, staged in ((plain, False), (split, True)):
+        session = PlainSession(target, 32)
+        session.static = session.pad = session.graph_prefill = staged
+        done = run_to_completion(session, prompts, StopRules(max_new_tokens=8), SamplingParams(temperature=0.0))
+        outs.append([r.state.tokens for r in done])
+        assert not session._staging
+    assert outs[0] == outs[1]
+
+
 def test_split_deepseek_mla_cache(tiny_deepseek_dir):
     plain = load_target(tiny_deepseek_dir)
     split = load_target(tiny_deepseek_dir, device_map="cpu,cpu")

@@ -100,6 +100,7 @@ class DecodeSession(abc.ABC):
         # static steps (so graphed): see _staged_prefill. Off by default until measured.
         self.graph_prefill = False
         self._staging: dict[str, StaticCache] = {}
+        self._stageable: bool | None = None  # whether the target's caches can stage (not a pipeline's)
 
     # ---- public ------------------------------------------------------------------------
     @property
@@ -246,8 +247,12 @@ class DecodeSession(abc.ABC):
         caches: graph_prefill on, static steps, and at most GRAPH_PREFILL_TOKENS padded tokens
         (a graph keeps its outputs, and long prefills are not launch-bound anyway)."""
         cols = prefill_columns(ids.shape[1])
-        return (self.graph_prefill and self.static and cols <= self.max_len
-                and pow2_ceil(ids.shape[0]) * cols <= GRAPH_PREFILL_TOKENS)
+        if not (self.graph_prefill and self.static and cols <= self.max_len
+                and pow2_ceil(ids.shape[0]) * cols <= GRAPH_PREFILL_TOKENS):
+            return False
+        if self._stageable is None:  # a pipeline over several GPUs keeps per-device layers: eager prefills
+            self._stageable = hasattr(self.target.new_cache(1, 1), "buffers")
+        return self._stageable
 
     def staging(self, name: str, new_cache, rows: int) -> StaticCache:
         """The session's staging cache `name` (made by new_cache(rows) once, then reused, so
