@@ -11,7 +11,9 @@ expert's output is accumulated in fp32 and rounded once, after mixing.
 With few assignments (decode: k per token) the block-of-tokens tiles would be mostly padding and
 each expert's weights feed a single row: there, one program per (assignment, BLOCK_N output
 rows) reads its rows of the chosen expert as a GEMV does (elementwise products, one reduction
-at the end), spreading each expert's read over many SMs.
+at the end), spreading each expert's read over many SMs. DeepSeek's shared experts (a SwiGLU
+a whole number of experts wide) ride along as more assignments per token, so a decode step's
+MoE is two launches.
 """
 
 from __future__ import annotations
