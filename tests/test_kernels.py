@@ -412,6 +412,12 @@ for b, h, d, dr, s in ((2, 4, 32, 16, 50), (1, 16, 64, 16, 21)):
     want = attention(torch.cat((q, qr), -1), latent, kv, mask, 0.1)
     torch.testing.assert_close(got, torch.nan_to_num(want), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(attention(q, kv, None, mask, 0.1, rope=(qr, kr)), want)  # the PyTorch path
+    # ... with the split combine and MLA's absorbed value projection in one kernel
+    w_uv = torch.randn(h, 2 * 20, d, generator=g)[:, ::2]  # [heads, 20, d], a strided view (ragged N)
+    for splits in (1, 3):
+        got = decode_attention(q, kv, None, mask, 0.1, block_s=16, splits=splits, rope=(qr, kr), out_proj=w_uv)
+        torch.testing.assert_close(got, torch.einsum("bthr,hvr->bthv", torch.nan_to_num(want), w_uv),
+                                   rtol=1e-4, atol=1e-4)
 print("ok")
 """
 
@@ -419,7 +425,8 @@ print("ok")
 def test_decode_attention_matches_attention_interpreted():
     """One query token over ragged slot counts, grouped heads (and one query head per KV head),
     Dv != D, strided K, split and unsplit slots, a split and a row with nothing visible; MLA's
-    form (values are the keys, a rope part from another view of the same cache rows)."""
+    form (values are the keys, a rope part from another view of the same cache rows), also with
+    the combine and the absorbed value projection fused."""
     proc = subprocess.run([sys.executable, "-c", DECODE_ATTENTION_INTERPRETED], capture_output=True, text=True,
                           timeout=600, env=os.environ | {"TRITON_INTERPRET": "1"})
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
@@ -539,6 +546,11 @@ def test_moonlight_decode_kernels_match_pytorch_on_cuda():
                                           cache[:, :300].float().transpose(1, 2), kv.float().transpose(1, 2),
                                           attn_mask=mask[:, None], scale=0.07, enable_gqa=True).transpose(1, 2)
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    # ... with the combine and the absorbed value projection fused (deepseek.ABSORB_IN_COMBINE)
+    w_uv = (torch.randn(16, 256, 512, device=dev, dtype=bf, generator=g) * 0.05)[:, 128:]
+    fused = decode_attention(q, kv, None, mask, 0.07, rope=(qr, kr), out_proj=w_uv)
+    torch.testing.assert_close(fused.float(), torch.einsum("bthr,hvr->bthv", got.float(), w_uv.float()),
+                               rtol=2e-2, atol=2e-2)
     # absorbed products over kv_b's halves
     kv_b = torch.randn(16, 256, 512, device=dev, dtype=bf, generator=g) * 0.05
     x = torch.randn(1, 16, 128, device=dev, dtype=bf, generator=g)

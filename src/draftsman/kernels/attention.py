@@ -95,14 +95,17 @@ def _last_dim_contiguous(x: Tensor) -> Tensor:
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor | None, mask: Tensor, scale: float,
                      block_s: int | None = None, splits: int | None = None,
-                     rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                     rope: tuple[Tensor, Tensor] | None = None, out_proj: Tensor | None = None) -> Tensor:
     """q [B, 1, H, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv], mask [B, 1, S] bool (True = may
     attend) -> [B, 1, H, Dv] in q's dtype, as layers.attention (a row that sees no slot gets
     zeros). Query head h reads KV head h // (H / Hkv). v None: the values are the keys (MLA's
     latent), read once. rope (q_rope [B, 1, H, Dr], k_rope
     [B, S, Hkv, Dr]): scores of this second pair add to q.k (attention over the concatenated
     heads). splits: programs per (row, KV head) along the slots (default: enough for about
-    SM_TARGET programs); block_s: slots per iteration (default 64, 32 for heads over 256 wide)."""
+    SM_TARGET programs); block_s: slots per iteration (default 64, 32 for heads over 256 wide).
+    out_proj [H, N, Dv] (any strides, last dim contiguous; MLA's absorbed value projection): the
+    result is instead [B, 1, H, N] = per head out_proj[h] @ (the attention output rounded to q's
+    dtype), merged with the split combine in one kernel (combine_project)."""
     v_is_k = v is None
     v = k if v is None else v
     if not fits(q, k, v, rope):
@@ -137,7 +140,53 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor | None, mask: Tensor, scale
         kr.stride(1), kr.stride(2), HKV=hkv, SPLITS=splits, G=g, G_PAD=g_pad, D=d, DV=dv,
         DR=0 if rope is None else qr.shape[-1], V_IS_K=v_is_k, BLOCK_S=block_s, S_LEN=s_len, PRECISION=precision,
         num_warps=4 if d <= 256 else 8)
+    if out_proj is not None:
+        return combine_project(acc, stat, out_proj, g, q.dtype).view(b, 1, h, -1)
     return combine(acc[..., :g, :], stat[..., :g, 0], stat[..., :g, 1]).reshape(b, 1, h, dv).to(q.dtype)
+
+
+@triton.jit
+def _combine_project_kernel(acc_ptr, stat_ptr, w_ptr, y_ptr, stride_wh, stride_wn, HKV: tl.constexpr,
+                            SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                            DV: tl.constexpr, N: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0)  # (batch row, query head)
+    b, hq = row // (HKV * G), row % (HKV * G)
+    hk, g = hq // G, hq % G
+    sp = tl.arange(0, SPLITS_PAD)
+    sp_ok = sp < SPLITS
+    base = (b * HKV + hk) * SPLITS + sp  # this head's partials: one per split
+    m = tl.load(stat_ptr + (base * G_PAD + g) * 2, mask=sp_ok, other=float("-inf"))
+    z = tl.load(stat_ptr + (base * G_PAD + g) * 2 + 1, mask=sp_ok, other=0.0)
+    top = tl.max(m, axis=0)
+    w = tl.exp(m - tl.where(top == float("-inf"), 0.0, top))  # 0 for splits that saw nothing
+    den = tl.sum(z * w, axis=0)
+    r = tl.arange(0, DV)
+    part = tl.load(acc_ptr + (base * G_PAD + g)[:, None] * DV + r[None, :], mask=sp_ok[:, None], other=0.0)
+    o = tl.sum(part * w[:, None], axis=0) / tl.maximum(den, 1e-30)
+    o = tl.where(den > 0, o, 0.0).to(y_ptr.dtype.element_ty).to(tl.float32)  # as decode_attention's output
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    wt = tl.load(w_ptr + hq.to(tl.int64) * stride_wh + n[:, None] * stride_wn + r[None, :], mask=n_ok[:, None],
+                 other=0.0)
+    y = tl.sum(wt.to(tl.float32) * o[None, :], axis=1)
+    tl.store(y_ptr + row * N + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+def combine_project(acc: Tensor, stat: Tensor, w: Tensor, g: int, dtype: torch.dtype, block_n: int = 8) -> Tensor:
+    """The split combine of decode_attention's partials (acc [B, Hkv, splits, G_PAD, Dv], stat
+    [..., 2]) for each of the Hkv * g query heads, rounded to `dtype`, then w[h] [N, Dv] applied
+    per head: [B, Hkv * g, N] in `dtype`. One program per (row, head, block of N) recombines its
+    head's splits (a few kilobytes) before its share of the product."""
+    b, hkv, splits, g_pad, dv = acc.shape
+    heads, n = hkv * g, w.shape[1]
+    if w.shape[0] != heads or w.shape[2] != dv or w.stride(2) != 1:
+        raise ValueError(f"combine_project: w {tuple(w.shape)} (strides {w.stride()}) does not fit {heads} heads "
+                         f"of width {dv}")
+    y = torch.empty(b, heads, n, dtype=dtype, device=acc.device)
+    _combine_project_kernel[(b * heads, triton.cdiv(n, block_n))](
+        acc, stat, w, y, w.stride(0), w.stride(1), HKV=hkv, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+        G=g, G_PAD=g_pad, DV=dv, N=n, BLOCK_N=block_n, num_warps=4)
+    return y
 
 
 def combine(acc: Tensor, m: Tensor, z: Tensor) -> Tensor:

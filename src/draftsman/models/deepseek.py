@@ -28,6 +28,7 @@ from draftsman.models.layers import (
     SwiGLU,
     apply_rotary,
     attention,
+    decode_kernel_applies,
     deinterleave,
     fuse_linears,
     yarn_softmax_scale,
@@ -64,6 +65,10 @@ HEAD_GEMV_ROWS = 8
 ROUTE_KERNEL = True
 # Decode: the shared experts in the routed experts' two kernel launches; False: a separate SwiGLU.
 SHARED_WITH_ROUTED = True
+# Decode: the attention's split combine and the absorbed value projection in one kernel
+# (kernels.attention.combine_project) instead of two combine kernels and a head_gemv. Off until
+# measured on the GPU (h200_decode arms `_absorbcombine`).
+ABSORB_IN_COMBINE = False
 
 
 def _head_gemv_applies(x: Tensor, w: Tensor) -> bool:
@@ -157,6 +162,11 @@ class MLAttention(nn.Module):
             q_latent = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)
         # keys [c_kv | k_pe] (one head), values c_kv: the cache is read in place, never concatenated
         rope = (q_pe, k_pe[:, :, None])
+        if ABSORB_IN_COMBINE and _head_gemv_applies(q_latent, w) and decode_kernel_applies(q_latent, c_kv[:, :, None],
+                                                                                          None, rope):
+            from draftsman.kernels.attention import decode_attention
+
+            return decode_attention(q_latent, c_kv[:, :, None], None, mask, self.scale, rope=rope, out_proj=w_uv)
         out_latent = attention(q_latent, c_kv[:, :, None], None, mask, self.scale, rope=rope)  # [B, T, heads, rank]
         if _head_gemv_applies(out_latent, w):
             from draftsman.kernels.gemv import head_gemv

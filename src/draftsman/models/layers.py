@@ -262,6 +262,17 @@ SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDP
 DECODE_ATTENTION = True
 
 
+def decode_kernel_applies(q: Tensor, k: Tensor, v: Tensor | None, rope: tuple[Tensor, Tensor] | None = None) -> bool:
+    """Whether attention() runs draftsman's decode-attention kernel for these inputs: one query
+    token, CUDA, bf16/fp16, Triton, inference, and shapes it serves."""
+    if not (DECODE_ATTENTION and q.shape[1] == 1 and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+            and triton_available() and not any(x.requires_grad for x in (q, k, v) if x is not None)):
+        return False
+    from draftsman.kernels.attention import fits
+
+    return fits(q, k, v, rope)
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor | None, mask: Tensor, scale: float,
               rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """q [B, T, H, D], k/v [B, S, Hkv, D*], mask [B, T, S] bool (True = may attend) -> [B, T, H, Dv].
@@ -270,12 +281,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor | None, mask: Tensor, scale: float
     (q_rope [B, T, H, Dr], k_rope [B, S, Hkv, Dr]): a second query/key part, as if concatenated
     to q and k (MLA's shared rotary key), never concatenated on the decode-kernel path. A query
     row with no visible key returns zeros instead of NaN (padding rows)."""
-    if (DECODE_ATTENTION and q.shape[1] == 1 and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
-            and triton_available() and not any(x.requires_grad for x in (q, k, v) if x is not None)):
-        from draftsman.kernels.attention import decode_attention, fits
+    if decode_kernel_applies(q, k, v, rope):
+        from draftsman.kernels.attention import decode_attention
 
-        if fits(q, k, v, rope):
-            return decode_attention(q, k, v, mask, scale, rope=rope)
+        return decode_attention(q, k, v, mask, scale, rope=rope)
     v = k if v is None else v
     if rope is not None:
         q, k = torch.cat((q, rope[0]), dim=-1), torch.cat((k, rope[1]), dim=-1)
