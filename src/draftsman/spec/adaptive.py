@@ -161,7 +161,7 @@ class AdaptivePolicy:
         """One round of `arm` over `batch` rows took `seconds` (None: not representative, e.g. it
         captured a CUDA graph) and accepted `accepted[i]` drafts in row i (all 0 for plain
         rounds)."""
-        if self._last is not None and self._last in self.estimates:  # joins since the last round: its arm's
+        if self._last is not None:  # joins since the last round: its arm's
             last = self.estimates[self._last]
             last.join_seconds += self.join_alpha * (self._joined - last.join_seconds)
         self._last, self._joined = (bucket(batch), arm), 0.0

@@ -124,7 +124,9 @@ class SpecSession(DecodeSession):
         # Drafter pairs (x_{i+1}, f_i): the prompt shifted by one, the new token at len-1.
         shifted = torch.cat([ids[:, 1:], ids[:, :1]], 1).scatter(1, last, first[:, None])
         if staged:
-            out = self.run_step(self.drafter, ("prefill",), self._staged_drafter_prefill(d_cache), [d_cache],
+            # (the uncompiled drafter, as the target's staged prefill: a compiled forward would
+            # recompile for every prefill shape)
+            out = self.run_step(self.drafter, ("prefill",), self._drafter_step(d_cache, t, self.drafter), [d_cache],
                                 tokens=shifted, feats=feats, positions=positions, last=lengths - 1)
             d_logits, d_hidden = (x.clone() for x in out)  # graph outputs: they outlive the next replay
         else:
@@ -136,15 +138,6 @@ class SpecSession(DecodeSession):
                       "bk_count": torch.zeros(b, dtype=torch.long, device=ids.device)}
         return [t_cache, d_cache], state, first
 
-    def _staged_drafter_prefill(self, cache: StaticCache):
-        """The drafter's prefill as a static step: its (logits, hidden) at `last` [B] of each row."""
-        def step(tokens: Tensor, feats: Tensor, positions: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
-            logits, h = self.drafter(tokens, self.drafter.project(feats), positions, cache=cache,
-                                     cache_index=positions, attn_mask=slot_mask(positions, tokens.shape[1]))
-            rows = torch.arange(tokens.shape[0], device=tokens.device)
-            return logits[rows, last], h[rows, last]
-        return step
-
     def _extend(self, d_cache: StaticCache, tokens: Tensor, aux: list[Tensor] | Tensor, positions: Tensor,
                 last: Tensor, prefill: bool = False, graph: bool = True) -> tuple[Tensor, Tensor]:
         """Run the drafter over (token, target feature) pairs written at slot = position;
@@ -152,19 +145,26 @@ class SpecSession(DecodeSession):
         run eagerly; per-round extensions are static-shape steps (graphed unless `graph` is
         False: already inside a captured round)."""
         if prefill or not self.static:
-            hidden = self.drafter.project(aux)
-            logits, h = self.drafter(tokens, hidden, positions, cache=d_cache, cache_index=positions)
-        else:
-            def step(tokens: Tensor, feats: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-                return self.d_fwd(tokens, self.drafter.project(feats), positions, cache=d_cache,
-                                  cache_index=positions, attn_mask=slot_mask(positions, span))
-            span = self._d_span
-            inputs = {"tokens": tokens, "feats": aux if isinstance(aux, Tensor) else torch.cat(aux, -1),
-                      "positions": positions}
-            logits, h = (self.run_step(self.drafter, self._extend_key(span), step, [d_cache], **inputs) if graph
-                         else step(**inputs))
-        rows = torch.arange(tokens.shape[0], device=tokens.device)
-        return logits[rows, last], h[rows, last]
+            logits, h = self.drafter(tokens, self.drafter.project(aux), positions, cache=d_cache, cache_index=positions)
+            rows = torch.arange(tokens.shape[0], device=tokens.device)
+            return logits[rows, last], h[rows, last]
+        step = self._drafter_step(d_cache, self._d_span, self.d_fwd)
+        inputs = {"tokens": tokens, "feats": aux if isinstance(aux, Tensor) else torch.cat(aux, -1),
+                  "positions": positions, "last": last}
+        if not graph:
+            return step(**inputs)
+        return self.run_step(self.drafter, self._extend_key(self._d_span), step, [d_cache], **inputs)
+
+    def _drafter_step(self, cache: StaticCache, span: int, fwd):
+        """The drafter over (token, feature) pairs at slot = position as a static step, attending
+        over `span` slots: step(tokens, feats, positions, last) -> its (logits, hidden) at `last`
+        [B] of each row (gathered in the step: a graph keeps only those rows)."""
+        def step(tokens: Tensor, feats: Tensor, positions: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
+            logits, h = fwd(tokens, self.drafter.project(feats), positions, cache=cache, cache_index=positions,
+                            attn_mask=slot_mask(positions, span))
+            rows = torch.arange(tokens.shape[0], device=tokens.device)
+            return logits[rows, last], h[rows, last]
+        return step
 
     @torch.no_grad()
     def add(self, requests: Sequence[Request]) -> list[Event]:
@@ -251,7 +251,8 @@ class SpecSession(DecodeSession):
         """_captured's question to the graph tables."""
         st = self.tensors
         if due:  # the catch-up forward runs first, with these shapes
-            inputs = {"tokens": st["bk_tokens"], "feats": st["bk_feats"], "positions": st["bk_tokens"]}
+            inputs = {"tokens": st["bk_tokens"], "feats": st["bk_feats"], "positions": st["bk_tokens"],
+                      "last": st["bk_count"]}
             if not self.captured(self.drafter, self._extend_key(d_span), self.caches[1:], **inputs):
                 return False
         if arm is None:
