@@ -94,8 +94,9 @@ class SpecSession(DecodeSession):
         self._plain_run = 0  # ... how many (a row holds at most this many backlog pairs)
         self._t_span = self._d_span = None  # attention spans of the round being run (_set_spans)
         self._compiled_shapes: set = set()  # (arm, batch bucket) rounds run so far, with compile
-        # Shapes known to replay captured graphs (_captured asks the graph tables, ~80 us of host
-        # time per arm): valid until the tables capture again (a capture may evict).
+        # Shapes known to replay captured graphs (_captured's question to the graph tables builds
+        # keys over every cache buffer, host time each round): valid until the tables capture
+        # again (a capture may evict).
         self._ready: set = set()
         self._ready_captures = -1
 
