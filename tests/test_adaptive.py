@@ -118,6 +118,30 @@ def test_policy_keeps_to_captured_arms_unless_a_capture_clearly_pays():
     assert policy.choose(1, ready=lambda a: a is TREE) == CHAIN
 
 
+def test_a_new_bucket_times_captured_arms_and_borrows_the_rest():
+    """A batch draining into a smaller bucket (rows finishing at the end of a burst) must not
+    capture every arm there just to time it: arms captured in the bucket are timed, the others
+    borrow their rate from the nearest timed bucket (scaled by plain decoding's round time
+    between the two), and only a clear gain pays a capture."""
+    taus = {PLAIN: 1, CHAIN: 3, TREE: 5}
+    policy = AdaptivePolicy([CHAIN, TREE], explore_every=1000, alpha=1.0, tau_alpha=1.0, plain_margin=0.0)
+    feed(policy, 64, {PLAIN: 1.0, CHAIN: 3.6, TREE: 6.0}, taus, 3)  # batch 64: plain wins
+    ready = {PLAIN}
+    chosen = feed_ready(policy, 32, {PLAIN: 0.8, CHAIN: 2.8, TREE: 4.0}, taus, 20, ready)
+    assert chosen == [PLAIN] * 20  # CHAIN at 3/2.88, TREE at 5/4.8 of plain's rate: no capture
+    assert policy.estimate(CHAIN, 32).rounds == policy.estimate(TREE, 32).rounds == 0
+    assert policy.rate(TREE, 32) is None and policy._borrowed(TREE, 32) == pytest.approx(5 / 4.8)
+    # timed at batch 4, where TREE wins 2.5x: at batch 2 its borrowed rate (from 4, the nearest:
+    # 5 / (2.0 * 0.9 / 1.0)) is still 2.5x plain's, worth a capture
+    feed(policy, 4, {PLAIN: 1.0, CHAIN: 1.5, TREE: 2.0}, taus, 3)
+    chosen = feed_ready(policy, 2, {PLAIN: 0.9, CHAIN: 1.4, TREE: 1.8}, taus, 5, ready)
+    assert chosen[0] is PLAIN and chosen[1:] == [TREE] * 4 and policy.estimate(CHAIN, 2).rounds == 0
+    # a fresh policy with nothing captured still times every arm (nothing to borrow from)
+    fresh = AdaptivePolicy([CHAIN, TREE], explore_every=1000)
+    assert set(feed_ready(fresh, 8, {PLAIN: 1.0, CHAIN: 1.5, TREE: 2.0}, taus, 3, set())) == {PLAIN, CHAIN, TREE}
+    assert fresh.summary()[0]["untimed_rounds"] == 0
+
+
 def test_policy_asks_readiness_once_per_arm_and_round():
     """The session's readiness answer costs host time (graph keys): one question per arm at most."""
     policy = AdaptivePolicy([CHAIN, TREE], explore_every=3)

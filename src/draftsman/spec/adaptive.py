@@ -16,7 +16,11 @@ doubling intervals (up to `max_explore_every`) while re-measuring changes no cho
 where speculation clearly loses every re-measurement is a loss. Shapes matter too: an arm not
 yet captured at the current batch bucket and attention span costs a CUDA graph capture (several
 rounds), so re-measurements pick only captured arms and a switch to an uncaptured one needs
-`capture_margin` (the session says which are captured).
+`capture_margin` (the session says which are captured). For the same reason a bucket's first
+rounds time only the arms already captured there: an arm that would capture borrows its rate
+from the nearest bucket where it was timed (its round time scaled by plain decoding's between
+the two buckets), so a batch draining through smaller buckets (rows finishing at the end of a
+burst) does not capture every arm in every bucket on the way down.
 
 Rounds are not the whole cost of an arm. Newcomers join the batch between rounds (a prefill),
 and speculation staggers when rows finish, so a continuous batch refills more often in smaller
@@ -53,6 +57,7 @@ class Estimate:
     rounds: int = 0  # rounds observed, timed or not
     last_seen: int = -1  # policy round counter at the last observation
     join_seconds: float = 0.0  # running mean per round of joins that followed this arm's rounds
+    untimed: int = 0  # rounds that reported no time (they captured a CUDA graph or compiled)
 
 
 @dataclass
@@ -106,6 +111,22 @@ class AdaptivePolicy:
         e, tau = self.estimate(arm, batch), 1.0 if arm is PLAIN else self.taus.get(arm)
         return None if e.seconds is None or tau is None else tau / (e.seconds + e.join_seconds)
 
+    def _borrowed(self, arm: SpecConfig | None, batch: int) -> float | None:
+        """The rate of an arm not timed in this bucket, from the nearest bucket where it was (the
+        larger on a tie: speculation gains less at larger batches), its round time scaled by plain
+        decoding's between the two buckets where plain was timed in both; None if nowhere."""
+        b = bucket(batch)
+        timed = [k for (k, a), e in self.estimates.items() if a == arm and k != b and e.seconds is not None]
+        tau = 1.0 if arm is PLAIN else self.taus.get(arm)
+        if not timed or tau is None:
+            return None
+        near = min(timed, key=lambda k: (abs(k.bit_length() - b.bit_length()), -k))
+        e, scale = self.estimates[(near, arm)], 1.0
+        here, there = self.estimates.get((b, PLAIN)), self.estimates.get((near, PLAIN))
+        if arm is not PLAIN and here and there and here.seconds and there.seconds:
+            scale = here.seconds / there.seconds
+        return tau / (e.seconds * scale + e.join_seconds)
+
     def _score(self, arm: SpecConfig | None, rate: float) -> float:
         """What choices compare: the rate, speculation's discounted by plain_margin."""
         return rate if arm is PLAIN else rate / (1 + self.plain_margin)
@@ -125,8 +146,14 @@ class AdaptivePolicy:
 
         rates = {arm: self.rate(arm, batch) for arm in self.arms}
         untried = [arm for arm, r in rates.items() if r is None]
-        if untried:  # time every arm in this bucket before choosing
-            return next((arm for arm in untried if is_ready(arm)), untried[0])
+        if untried:  # time every captured arm in this bucket before choosing; borrow the others' rates
+            timeable = [arm for arm in untried if is_ready(arm)]
+            if timeable:
+                return timeable[0]
+            rates |= {arm: self._borrowed(arm, batch) for arm in untried}
+            untried = [arm for arm in untried if rates[arm] is None]
+            if untried:
+                return untried[0]
         scores = {arm: self._score(arm, r) for arm, r in rates.items()}
         b = bucket(batch)
         interval = self._interval.setdefault(b, self.explore_every)
@@ -167,6 +194,7 @@ class AdaptivePolicy:
         self._last, self._joined = (bucket(batch), arm), 0.0
         e = self.estimate(arm, batch)
         e.rounds += 1
+        e.untimed += seconds is None
         e.last_seen = self.round
         if arm is not PLAIN and accepted:
             tau, old, rows = 1.0 + sum(accepted) / len(accepted), self.taus.get(arm), self.tau_rows.get(arm, 0)
@@ -189,6 +217,7 @@ class AdaptivePolicy:
             out.append({"batch_bucket": b, "arm": arm_label(arm), "round_ms": None if e.seconds is None
                         else e.seconds * 1e3, "join_ms_per_round": e.join_seconds * 1e3,
                         "tau": 1.0 if arm is PLAIN else self.taus.get(arm), "rounds": e.rounds,
+                        "untimed_rounds": e.untimed,
                         "chosen": self.current.get(b, "?") == arm})
         return out
 
