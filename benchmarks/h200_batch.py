@@ -34,25 +34,31 @@ def main() -> None:
     ap.add_argument("--temperature", default="0")
     ap.add_argument("--out")
     ap.add_argument("--h200-json")
-    ap.add_argument("--graph-prefill", action="store_true", help="draftsman bench --graph-prefill (staged prefills)")
+    ap.add_argument("--eager-prefill", action="store_true",
+                    help="draftsman bench --eager-prefill (newcomers prefilled eagerly, as before staged prefills)")
+    ap.add_argument("--warmup-passes", type=int, default=3,
+                    help="draftsman bench --warmup-passes (default 3: warm-ups repeat while they capture graphs)")
     args = ap.parse_args()
     result, cmd = run_bench(["--dataset", args.dataset, "--num-prompts", str(args.num_prompts),
                              "--max-new-tokens", str(args.max_new_tokens), "--temperature", args.temperature,
                              "--device", args.device, "--batch-sizes", args.batch_sizes, "--spec-adaptive",
                              "--warmup", str(args.num_prompts if args.warmup is None else args.warmup),
-                             *(["--graph-prefill"] if args.graph_prefill else [])])
+                             "--warmup-passes", str(args.warmup_passes),
+                             *(["--eager-prefill"] if args.eager_prefill else [])])
     by_batch: dict = {}
     for a in result["arms"]:
         by_batch.setdefault(str(a["batch_size"]), {})[a["arm"]] = {
             "tokens_per_s": a["tokens_per_s"], "speedup": a["speedup"], "accept_length": a["accept_length"],
             "identical": a["identical"], "adaptive": a["adaptive"], "graph_captures": a["graph_captures"],
+            "warmup_passes_run": a["warmup_passes"],
             **{k: a[k] for k in ("duration_s", "session_steps", "time_in_steps_s", "joins", "time_in_joins_s",
                                  "time_elsewhere_s")}}
     arms = [a for a in by_batch[str(result["batch_sizes"][0])] if a != "plain"]
     minimum = {a: min(b[a]["speedup"] for b in by_batch.values()) for a in arms}
     summary = {"device": result["device"], "dtype": result["dtype"], "dataset": args.dataset,
                "temperature": float(args.temperature), "num_prompts": args.num_prompts,
-               "max_new_tokens": args.max_new_tokens, "graph_prefill": args.graph_prefill,
+               "max_new_tokens": args.max_new_tokens, "eager_prefill": args.eager_prefill,
+               "warmup_passes": args.warmup_passes,
                "warmup": args.num_prompts if args.warmup is None else args.warmup, "by_batch": by_batch, "min_speedup": minimum,
                "min_speedup_over_batches": minimum["spec-adaptive"], "command": " ".join(cmd[1:])}
     write_results(args.out, {"summary": summary, "bench": result})

@@ -31,6 +31,7 @@ step() {  # step NAME SECONDS CMD...: run with a deadline, log rc and wall time
 }
 # (only the files with GPU tests: the GPU machine has no server dependencies)
 step gpu_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_graphs.py tests/test_kernels.py tests/test_load_gpu.py
+step gpu_tests_prefill 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_graphs.py -k prefill
 step gpu_tests_decode 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py -k "fused_decode or greedy_argmax"
 step decode_8b 240 python3 benchmarks/h200_decode.py --arms graph_compiled,graph_compiled_unchained,graph_eager \
   --profile --out "$OUT/decode_8b.json" --h200-json "$H"
@@ -40,8 +41,8 @@ step decode_8b_mlp 300 python3 benchmarks/h200_decode.py \
 step gemv_fused 120 python3 benchmarks/h200_gemv.py --fused-only --out "$OUT/gemv_fused_8b.json"
 step gemv 200 python3 benchmarks/h200_gemv.py --out "$OUT/gemv_8b.json"
 step gemv_moonlight 200 python3 benchmarks/h200_moonlight_gemv.py --out "$OUT/gemv_moonlight.json"
-step batch 240 python3 benchmarks/h200_batch.py --out "$OUT/batch.json" --h200-json "$H"
-step batch_graph_prefill 240 python3 benchmarks/h200_batch.py --graph-prefill --out "$OUT/batch_graph_prefill.json"
+step batch 420 python3 benchmarks/h200_batch.py --out "$OUT/batch.json" --h200-json "$H"
+step batch_eager_prefill 240 python3 benchmarks/h200_batch.py --eager-prefill --out "$OUT/batch_eager_prefill.json"
 step rounds_8b 150 python3 benchmarks/h200_decode.py --arms rounds --batches 1,4,16,64 \
   --out "$OUT/rounds_8b.json" --h200-json "$H"
 step gpu_tests_moe 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py -k "moonlight or moe"

@@ -11,7 +11,7 @@ import draftsman
 from draftsman.generate import StopRules
 from draftsman.reference import TARGET_DIR
 from draftsman.sampling import SamplingParams
-from draftsman.session import PlainSession, run_to_completion
+from draftsman.session import DecodeSession, PlainSession, run_to_completion
 from draftsman.spec.adaptive import PLAIN, AdaptivePolicy, bucket
 from draftsman.spec.engine import BACKLOG, SpecConfig, SpecSession
 from draftsman.tokenizer import encode_prompt, load_tokenizer
@@ -405,6 +405,23 @@ def test_session_reports_joins_made_while_rows_decode(pair):
     assert joins == []
     session.add([Request(1, prompts()[1], rules)])
     assert len(joins) == 1 and joins[0] > 0
+    # a join that captured a graph (a staged prefill of a new shape) is a one-off cost: not charged
+    from draftsman.graphs import graph_table
+
+    session.step()
+    add = DecodeSession.add
+
+    def capturing_add(self, requests):
+        graph_table(target).captures += 1
+        return add(self, requests)
+
+    try:
+        DecodeSession.add = capturing_add
+        session.add([Request(2, prompts()[0], rules)])
+    finally:
+        DecodeSession.add = add
+        graph_table(target).captures -= 1
+    assert len(joins) == 1
 
 
 def test_session_wants_a_spec_or_a_policy(pair):

@@ -147,18 +147,23 @@ def test_adaptive_arm_is_lossless_and_reports_its_choices(pair):
     assert all(a["adaptive"] is None for name, a in arms.items() if name != "spec-adaptive")
 
 
-def test_graph_prefill_reaches_every_arm_s_session(pair):
-    """bench --graph-prefill: each arm's session (plain, fixed, adaptive) gets graph_prefill."""
+def test_eager_prefill_reaches_every_arm_s_session(pair, monkeypatch):
+    """Staged prefills are the sessions' default where graphs run; bench --eager-prefill turns them
+    off in each arm's session (plain, fixed, adaptive)."""
+    import draftsman.session
+
+    monkeypatch.setattr(draftsman.session, "graphs_enabled", lambda device: True)  # (as on CUDA)
     target_dir, drafter_dir, _ = pair
     target = draftsman.load_target(target_dir)
     drafter = draftsman.load_drafter(drafter_dir, target=target)
-    workload = bench.Workload([[5, 6, 7]], draftsman.generate.StopRules(max_new_tokens=4),
-                              draftsman.sampling.SamplingParams(temperature=0.0), graph_prefill=True)
+    rules, params = draftsman.generate.StopRules(max_new_tokens=4), draftsman.sampling.SamplingParams(temperature=0.0)
     spec = bench.SpecConfig(steps=2, topk=1, draft_tokens=3)
     for arm in (None, spec, bench.ADAPTIVE):
-        assert bench.make_session(target, drafter, arm, workload, [spec]).graph_prefill is True
-    assert bench.make_session(target, drafter, None, bench.Workload([[5]], workload.rules, workload.params)
-                              ).graph_prefill is False
+        assert bench.make_session(target, drafter, arm, bench.Workload([[5]], rules, params), [spec]).graph_prefill
+        eager = bench.Workload([[5]], rules, params, graph_prefill=False)
+        assert bench.make_session(target, drafter, arm, eager, [spec]).graph_prefill is False
+    monkeypatch.setattr(draftsman.session, "graphs_enabled", lambda device: False)  # (CPU)
+    assert bench.make_session(target, drafter, None, bench.Workload([[5]], rules, params)).graph_prefill is False
 
 
 def test_partial_acceptance_matches_engine(tiny_llama_dir):
@@ -189,6 +194,37 @@ def test_partial_acceptance_matches_engine(tiny_llama_dir):
         assert 1 < a["accept_length"] == pytest.approx(1 + sum(rates))
         assert rates == sorted(rates, reverse=True) and 0 < rates[0] <= 1
         assert a["accepted_tokens"] == sum(i * h for i, h in enumerate(a["accept_length_histogram"]))
+
+
+def test_warm_up_repeats_while_a_pass_captures(tiny_llama_dir, monkeypatch):
+    """--warmup-passes: the warm-up runs again while its pass captured CUDA graphs (an adaptive
+    arm's shapes differ from pass to pass), up to the limit, and stops after a pass without."""
+    from test_engine import prompts_of
+
+    from draftsman.generate import StopRules
+    from draftsman.sampling import SamplingParams
+    from draftsman.session import PlainSession
+
+    target = draftsman.load_target(tiny_llama_dir)
+    rules = StopRules(4, eos_ids=frozenset())
+    count = iter(range(1000))
+    made = {"n": 0}
+    passes_capturing = [3, 1, 0, 5]  # captures made by successive passes
+    monkeypatch.setattr(bench, "captures", lambda *modules: made["n"])
+    drive = bench.drive_session
+
+    def capturing_drive(session, requests, max_running, *a, **k):
+        made["n"] += passes_capturing[next(count)]
+        return drive(session, requests, max_running, *a, **k)
+
+    monkeypatch.setattr(bench, "drive_session", capturing_drive)
+    for limit, expected in ((1, 1), (2, 2), (5, 3)):
+        count, made["n"] = iter(range(1000)), 0
+        workload = bench.Workload(prompts_of([5, 6]), rules, SamplingParams(temperature=0.0), warmup=2,
+                                  warmup_passes=limit)
+        assert bench.warm_up(PlainSession(target, 32), workload, 2) == expected
+    assert bench.warm_up(PlainSession(target, 32), bench.Workload(prompts_of([5]), rules, SamplingParams(),
+                                                                  warmup=0, warmup_passes=3), 1) == 0
 
 
 def test_table_and_plots(inproc):

@@ -154,14 +154,16 @@ def test_graphed_prefills_decode_like_eager_ones(spec):
         session.add(reqs[:2])
         session.step()
         session.add(reqs[2:4])  # a join into the running batch (2 rows, 16 columns)
-        before = graph_table(target).captures
+        before = [graph_table(m).captures for m in (target, drafter)]
         session.add(reqs[4:])  # the first prefill's padded shape (2 rows, 32 columns): replayed
+        added = [graph_table(m).captures for m in (target, drafter)]
         while session.num_running:
             session.step()
         outs.append([r.state.tokens for r in reqs])
         if staged:
             assert any(key[0][0] == "prefill" for key in graph_table(target).runners)
-            assert graph_table(target).captures == before  # (prefill, 2 rows, 32 columns) replayed
+            # (prefill, 2 rows, 32 columns) replayed; the rounds after it may capture new spans
+            assert added == before
     assert outs[0] == outs[1]
     for module in (target, drafter):
         assert not graph_table(module).failed, graph_table(module).failed

@@ -174,7 +174,7 @@ NO_ACCEPTANCE = {"accept_length": None, "accept_rate_per_position": None, "round
 ARM_DEFAULTS = NO_ACCEPTANCE | {
     "acceptance_source": None, "speedup": None, "identical": None, "mismatched_requests": None,
     "weight_bytes_per_step": None, "decode_step_ms": None, "weight_bandwidth_gb_s": None,
-    "bandwidth_fraction": None, "url": None, "adaptive": None, "graph_captures": None,
+    "bandwidth_fraction": None, "url": None, "adaptive": None, "graph_captures": None, "warmup_passes": None,
     "session_steps": None, "time_in_steps_s": None, "joins": None, "time_in_joins_s": None, "time_elsewhere_s": None,
 }
 
@@ -470,7 +470,8 @@ class Workload:
     warmup: int = 0
     seed: int | None = None
     compile: bool = False  # torch.compile the step forwards (DecodeSession's compile)
-    graph_prefill: bool = False  # staged (graphed) prefills of newcomers (DecodeSession's graph_prefill)
+    graph_prefill: bool = True  # staged (graphed) prefills of newcomers where graphs run (DecodeSession's)
+    warmup_passes: int = 1  # warm-up runs per arm at most; they stop after one that captured nothing
 
     @property
     def max_len(self) -> int:
@@ -488,13 +489,27 @@ def make_session(target, drafter, spec: SpecConfig | str | None, workload: Workl
                               policy=AdaptivePolicy(candidates), compile=w.compile)
     else:
         session = SpecSession(target, drafter, spec, w.max_len, seed=w.seed, compile=w.compile)
-    session.graph_prefill = w.graph_prefill
+    session.graph_prefill = session.graph_prefill and w.graph_prefill
     return session
 
 
 def _requests(prompts: Sequence[Sequence[int]], workload: Workload, prefix: str = "") -> list[Request]:
     return [Request(f"{prefix}{i}" if prefix else i, p, workload.rules, workload.params)
             for i, p in enumerate(prompts)]
+
+
+def warm_up(session: DecodeSession, workload: Workload, batch_size: int) -> int:
+    """Run the warm-up requests through the session, again while a pass captured CUDA graphs (up
+    to workload.warmup_passes): a fixed arm repeats itself exactly, but an adaptive arm's choices
+    (and so its shapes) differ from pass to pass. Returns the passes run."""
+    passes = 0
+    while workload.warmup and passes < workload.warmup_passes:
+        before = captures(session.target, getattr(session, "drafter", None))
+        drive_session(session, _requests(workload.prompts[: workload.warmup], workload, f"warmup{passes}-"), batch_size)
+        passes += 1
+        if captures(session.target, getattr(session, "drafter", None)) == before:
+            break
+    return passes
 
 
 def time_split(run: SessionRun) -> dict:
@@ -528,13 +543,12 @@ def bench_in_process(target, drafter, specs: Sequence[SpecConfig], workload: Wor
             # in the timed run (a new session's caches would need new captures, each costing
             # several rounds), and the adaptive arm's policy with its measurements.
             session = make_session(target, drafter, spec, workload, specs)
-            if workload.warmup:
-                drive_session(session, _requests(workload.prompts[: workload.warmup], workload, "warmup-"), bs)
+            passes = warm_up(session, workload, bs)
             before = captures(target, drafter)
             run = drive_session(session, _requests(workload.prompts, workload), bs, on_finish)
             arm = {"arm": arm_name(spec), "kind": "plain" if spec is None else "spec",
                    "spec": spec_dict(spec, specs), "batch_size": bs, **latency_summary(run.traces, run.duration_s),
-                   "graph_captures": captures(target, drafter) - before, **time_split(run)}
+                   "graph_captures": captures(target, drafter) - before, "warmup_passes": passes, **time_split(run)}
             outputs = [t.output for t in run.traces]
             if spec is None:
                 plain_outputs = outputs

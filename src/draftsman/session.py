@@ -97,8 +97,9 @@ class DecodeSession(abc.ABC):
         # cache rows past the live ones), so a graph serves every batch size of its bucket.
         self.pad = self.graphed
         # Prefills of newcomers through staging caches, prompts padded to a power of two, as
-        # static steps (so graphed): see _staged_prefill. Off by default until measured.
-        self.graph_prefill = False
+        # static steps (so graphed): see _staged_prefill. On the H200 with the reference pair a
+        # join took 2.5-3.7 ms so against 17-27 ms eager (benchmarks/README.md, section 4).
+        self.graph_prefill = self.graphed
         self._staging: dict[str, StaticCache] = {}
         self._stageable: bool | None = None  # whether the target's caches can stage (not a pipeline's)
 

@@ -21,7 +21,8 @@ runs one of those settings or a plain step, whichever is fastest at the running 
 round times and acceptance it measures itself (it tries every choice first, keeping what it
 measured during the warm-up, as a running server would; see draftsman/spec/adaptive.py). Client: `server` (the served configuration) and, with
 --baseline-url, `baseline` (a plain server) at each concurrency. --warmup N requests run
-untimed before every arm and batch size.
+untimed before every arm and batch size (in-process, again while they capture CUDA graphs, up to
+--warmup-passes times).
 
 Metrics, per arm and batch size. Tokens are the generated tokens returned to the user (EOS
 included when emitted; client: the server's usage.completion_tokens), counted the same way
@@ -38,7 +39,7 @@ same run (CUDA only).
 
 Output: a table, and with --json one JSON object as the last stdout line. Top-level keys:
   mode                "in-process" | "client"
-  dataset, num_prompts, max_new_tokens, temperature, top_p, top_k, seed, chat, warmup
+  dataset, num_prompts, max_new_tokens, temperature, top_p, top_k, seed, chat, warmup, warmup_passes
   batch_sizes         [int]  (client: concurrencies)
   target, drafter, device, dtype        in-process (null in client mode)
   server_url, baseline_url, model       client mode (null in-process)
@@ -72,13 +73,15 @@ Output: a table, and with --json one JSON object as the last stdout line. Top-le
     speedup             tokens_per_s / the plain (baseline) arm's at this batch size
     identical, mismatched_requests          vs plain at this batch size, temperature 0
     finish_reasons      {reason: count}
-    adaptive            spec-adaptive: [{batch_bucket, arm, round_ms, tau, rounds, chosen}],
+    adaptive            spec-adaptive: [{batch_bucket, arm, round_ms, join_ms_per_round, tau, rounds,
+                        untimed_rounds, chosen}],
                         what the policy measured per batch bucket and arm (warm-up included) and
                         what it settled on (its acceptance keys cover its speculative rounds only)
     weight_bytes_per_step, decode_step_ms, weight_bandwidth_gb_s, bandwidth_fraction
                         the roofline, on in-process plain arms
     graph_captures      in-process: CUDA graphs the arm captured while timed (each costs
                         several steps; 0 off CUDA, null in client mode)
+    warmup_passes       in-process: warm-up passes run before the timed run (null in client mode)
     session_steps, time_in_steps_s, joins, time_in_joins_s, time_elsewhere_s
                         in-process: where duration_s went: rounds (session steps), prefills of
                         newcomers joining the batch, and the rest (emitting tokens, bookkeeping)
@@ -126,10 +129,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="add a `spec-adaptive` arm: per round, one of the --spec-* settings or plain "
                         "decoding, whichever measured round times and acceptance say is fastest at "
                         "the running batch size (in-process, needs --drafter)")
-    p.add_argument("--graph-prefill", action="store_true",
-                   help="prefill newcomers as CUDA-graphed static steps over reused staging caches, prompts "
-                        "padded to a power of two: cheap joins of small batches (in-process, on a GPU; no "
-                        "effect on CPU, which runs no static steps)")
+    p.add_argument("--eager-prefill", action="store_true",
+                   help="prefill newcomers eagerly, as before staged prefills (by default, on a GPU, they run as "
+                        "CUDA-graphed static steps over reused staging caches, prompts padded to a power of two; "
+                        "CPU runs eager prefills either way): for comparisons (in-process)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode/draft/verify forwards (in-process; each new step shape "
                         "compiles first: seconds on small models, minutes on 8B ones; warm up with --warmup)")
@@ -138,6 +141,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the timed requests, as a server keeps one session: on CUDA they capture the arm's "
                    "graphs; warm up at least as many requests as the batch size to time the steady state "
                    "(the JSON's graph_captures counts captures left in the timed run)")
+    p.add_argument("--warmup-passes", type=int, default=1,
+                   help="in-process: run the warm-up requests up to this many times per arm (default 1), "
+                        "stopping after a pass that captured no CUDA graph: an adaptive arm's choices differ "
+                        "between passes, so one pass leaves shapes (and captures) for the timed run")
     p.add_argument("--timeout", type=float, default=600.0, help="client: seconds per request (default 600)")
     add_sampling_args(p)
     add_device_args(p)
@@ -164,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
         "mode": "in-process" if args.target else "client", "dataset": args.dataset, "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
         "top_k": args.top_k, "seed": args.seed, "chat": not args.no_chat, "warmup": args.warmup,
+        "warmup_passes": args.warmup_passes,
         "batch_sizes": batch_sizes, "target": args.target, "drafter": args.drafter, "device": None,
         "dtype": None, "server_url": args.server_url, "baseline_url": args.baseline_url, "model": args.model,
         "specs": [], "copy_bandwidth_gb_s": None,
@@ -188,8 +196,8 @@ def check_args(args: argparse.Namespace) -> None:
     if args.server_url:
         if args.drafter:
             raise ValueError("--drafter is for in-process mode (--target); a server uses its own")
-        if any(f is not None for f in spec_flags) or args.spec_adaptive or args.compile or args.graph_prefill:
-            raise ValueError("--spec-* flags, --compile and --graph-prefill are for in-process mode; a server uses "
+        if any(f is not None for f in spec_flags) or args.spec_adaptive or args.compile or args.eager_prefill:
+            raise ValueError("--spec-* flags, --compile and --eager-prefill are for in-process mode; a server uses "
                              "its own configuration")
     else:
         if args.baseline_url:
@@ -204,6 +212,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--num-prompts must be >= 1")
     if args.warmup < 0:
         raise ValueError("--warmup must be >= 0")
+    if args.warmup_passes < 1:
+        raise ValueError("--warmup-passes must be >= 1")
     if args.plot:  # fail before a long run, not after it
         try:
             import matplotlib  # noqa: F401
@@ -257,7 +267,8 @@ def run_in_process(args: argparse.Namespace, prompts: list[str], batch_sizes: li
     rules = StopRules(args.max_new_tokens, frozenset(eos_token_ids(args.target, model.config.eos_token_ids, tokenizer)))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     workload = bench.Workload(ids, rules, params, tuple(batch_sizes), min(args.warmup, len(ids)), args.seed,
-                              compile=args.compile, graph_prefill=args.graph_prefill)
+                              compile=args.compile, graph_prefill=not args.eager_prefill,
+                              warmup_passes=args.warmup_passes)
     if workload.max_len > model.config.max_position_embeddings:  # fail before any arm runs
         raise SystemExit(f"error: the longest prompt + --max-new-tokens needs {workload.max_len} positions, more "
                          f"than the target's max_position_embeddings={model.config.max_position_embeddings}")
