@@ -334,8 +334,13 @@ class SpecSession(DecodeSession):
     def _plain_step(self, n: Tensor, root: Tensor, bk_tokens: Tensor, bk_feats: Tensor, bk_count: Tensor,
                     sample, graph: bool = True) -> tuple[Tensor, ...]:
         """The plain round's device work: (new n, next token, backlog tokens, features, count)."""
-        tree = VerifyTree(root[:, None], torch.full_like(root[:, None], -1), torch.zeros_like(root[:, None]))
-        logits, *aux = self._verify(tree, n) if graph else self._target_verify(**self._verify_inputs(tree, n))
+        # The root alone, written at slot n, seeing slots 0..n: a decode step's mask, without the
+        # tree's ancestor mask (fewer kernels in a round that should cost what a plain step does).
+        pos = n[:, None]
+        inputs = {"tokens": root[:, None], "positions": pos, "slots": pos,
+                  "mask": slot_mask(pos, self._t_span if self._t_span is not None else int(n.max()) + 1)}
+        logits, *aux = (self.run_step(self.target, ("verify", self.aux_ids), self._target_verify, [self.caches[0]],
+                                      **inputs) if graph else self._target_verify(**inputs))
         nxt = sample(logits[:, 0])
         feats = torch.cat(aux, -1).to(bk_feats.dtype)
         return (n + 1, nxt, torch.cat([bk_tokens[:, 1:], nxt[:, None]], 1), torch.cat([bk_feats[:, 1:], feats], 1),
