@@ -100,7 +100,7 @@ def test_policy_keeps_to_captured_arms_unless_a_capture_clearly_pays():
     one needs capture_margin, and an arm that is not captured either (a new shape) is no reason
     to stay."""
     taus = {PLAIN: 1, CHAIN: 3, TREE: 5}
-    policy = AdaptivePolicy([CHAIN, TREE], explore_every=4, tau_alpha=1.0)
+    policy = AdaptivePolicy([CHAIN, TREE], explore_every=4, tau_alpha=1.0, capture_after=0)
     assert feed_ready(policy, 1, {PLAIN: 1.0, CHAIN: 1.5, TREE: 2.4}, taus, 3, ready={CHAIN})[0] == CHAIN
     # TREE 4% faster than CHAIN but not captured: stay; re-measure only captured arms (CHAIN only)
     chosen = feed_ready(policy, 1, {PLAIN: 1.0, CHAIN: 1.5, TREE: 2.4}, taus, 40, ready={CHAIN})
@@ -108,7 +108,7 @@ def test_policy_keeps_to_captured_arms_unless_a_capture_clearly_pays():
     # captured now: the usual margin applies
     assert feed_ready(policy, 1, {PLAIN: 1.0, CHAIN: 1.5, TREE: 2.4}, taus, 3, ready={CHAIN, TREE})[-1] == TREE
     # the current arm needs a capture too (a new span): take the best
-    policy = AdaptivePolicy([CHAIN, TREE], explore_every=1000, alpha=1.0, tau_alpha=1.0)
+    policy = AdaptivePolicy([CHAIN, TREE], explore_every=1000, alpha=1.0, tau_alpha=1.0, capture_after=0)
     feed_ready(policy, 1, {PLAIN: 1.0, CHAIN: 1.5, TREE: 2.4}, taus, 4, ready={PLAIN, CHAIN, TREE})
     assert policy.current[1] == TREE
     assert policy.choose(1, ready=lambda a: False) == TREE  # nothing captured: no reason to move
@@ -124,7 +124,8 @@ def test_a_new_bucket_times_captured_arms_and_borrows_the_rest():
     borrow their rate from the nearest timed bucket (scaled by plain decoding's round time
     between the two), and only a clear gain pays a capture."""
     taus = {PLAIN: 1, CHAIN: 3, TREE: 5}
-    policy = AdaptivePolicy([CHAIN, TREE], explore_every=1000, alpha=1.0, tau_alpha=1.0, plain_margin=0.0)
+    policy = AdaptivePolicy([CHAIN, TREE], explore_every=1000, alpha=1.0, tau_alpha=1.0, plain_margin=0.0,
+                            capture_after=0)
     feed(policy, 64, {PLAIN: 1.0, CHAIN: 3.6, TREE: 6.0}, taus, 3)  # batch 64: plain wins
     ready = {PLAIN}
     chosen = feed_ready(policy, 32, {PLAIN: 0.8, CHAIN: 2.8, TREE: 4.0}, taus, 20, ready)
@@ -140,6 +141,38 @@ def test_a_new_bucket_times_captured_arms_and_borrows_the_rest():
     fresh = AdaptivePolicy([CHAIN, TREE], explore_every=1000)
     assert set(feed_ready(fresh, 8, {PLAIN: 1.0, CHAIN: 1.5, TREE: 2.0}, taus, 3, set())) == {PLAIN, CHAIN, TREE}
     assert fresh.summary()[0]["untimed_rounds"] == 0
+
+
+def test_captures_wait_until_the_batch_stays_in_its_bucket():
+    """A batch passing through a bucket (rows finishing at the end of a burst) does not stay long
+    enough to pay a capture back: an arm that would capture is chosen only after capture_after
+    rounds in the bucket, though it is 2.5x faster."""
+    taus = {PLAIN: 1, CHAIN: 3, TREE: 5}
+    policy = AdaptivePolicy([CHAIN, TREE], explore_every=1000, alpha=1.0, tau_alpha=1.0, capture_after=8)
+    feed(policy, 4, {PLAIN: 1.0, CHAIN: 1.5, TREE: 2.0}, taus, 3)
+    chosen = feed_ready(policy, 2, {PLAIN: 0.9, CHAIN: 1.4, TREE: 1.8}, taus, 12, ready={PLAIN})
+    assert chosen[:7] == [PLAIN] * 7 and chosen[7:] == [TREE] * 5
+    chosen = feed_ready(policy, 1, {PLAIN: 0.8, CHAIN: 1.4, TREE: 1.8}, taus, 3, ready={PLAIN})
+    assert chosen == [PLAIN] * 3  # a new bucket: the count starts again
+
+
+def test_a_dropped_arm_s_tau_goes_back_to_its_mean_once_stale():
+    """An arm dropped on a run of bad rounds keeps the running τ it was dropped with, since
+    nothing updates it while it does not run; after tau_stale_after rounds the policy trusts the
+    arm's mean over all its rows instead, and takes it up again where that wins."""
+    policy = AdaptivePolicy([CHAIN], explore_every=10_000, alpha=1.0, tau_alpha=0.05, tau_stale_after=50)
+    chosen = []
+    for i in range(400):
+        arm = policy.choose(1)
+        chosen.append(arm)
+        bad = 100 <= i < 130  # a hard stretch of text: nothing accepted
+        policy.observe(arm, 1, 1.0 if arm is PLAIN else 2.0, [] if arm is PLAIN else [0 if bad else 3])
+    drop = chosen.index(PLAIN, 2)  # the chain (τ 4 at 2 units: 2 tokens per unit) dropped in the hard stretch
+    assert 100 < drop < 130 and policy.tau(CHAIN) > 3.5
+    back = chosen.index(CHAIN, drop)
+    assert back - drop <= 52 and chosen[-100:] == [CHAIN] * 100  # taken up again once stale, and kept
+    assert policy.tau_sums[CHAIN] / policy.tau_rows[CHAIN] == pytest.approx(
+        (4 * (policy.tau_rows[CHAIN] - 30) + 30) / policy.tau_rows[CHAIN], rel=0.05)
 
 
 def test_policy_asks_readiness_once_per_arm_and_round():

@@ -20,7 +20,11 @@ rounds), so re-measurements pick only captured arms and a switch to an uncapture
 rounds time only the arms already captured there: an arm that would capture borrows its rate
 from the nearest bucket where it was timed (its round time scaled by plain decoding's between
 the two buckets), so a batch draining through smaller buckets (rows finishing at the end of a
-burst) does not capture every arm in every bucket on the way down.
+burst) does not capture every arm in every bucket on the way down; and an arm that would capture
+is chosen only once the batch has stayed in its bucket for `capture_after` rounds. An arm's
+running τ follows the text now decoding; once the arm has not run for `tau_stale_after` rounds
+its mean over all its rows stands in (a running τ frozen at the low it was dropped with kept
+the best arm off for good).
 
 Rounds are not the whole cost of an arm. Newcomers join the batch between rounds (a prefill),
 and speculation staggers when rows finish, so a continuous batch refills more often in smaller
@@ -79,12 +83,27 @@ class AdaptivePolicy:
     plain_margin: float = 0.1  # speculation must beat plain decoding by this fraction to be chosen
     tau_round_cap: float = 0.2  # most weight one round has in τ (at large batch a round has many rows),
     # once τ has seen 1/tau_alpha rows (or one row's weight, if tau_alpha is more)
+    # An arm's running τ says what it accepts on the text now decoding; once the arm has not run
+    # for tau_stale_after rounds, the text has moved on and its τ is the arm's mean over every
+    # row it has run instead (the running τ restarts from that mean when it runs again). Else
+    # an arm dropped on a run of bad rounds kept the low τ it was dropped with (nothing updates
+    # it while it does not run), and one re-measurement at batch 1 weighs too little to lift
+    # it: on the H200 the reference pair's best arm was dropped at a running τ of 2.8 against
+    # its 3.9 mean, and the adaptive arm decoded plainly for 14k of 16k rounds (1.0x against 1.46x).
+    tau_stale_after: int = 64
+    # Capture an arm's graphs (choose an arm not captured at this shape while a captured one is
+    # available) only after the batch has stayed in its bucket for this many rounds: a batch
+    # draining at the end of a burst passes each smaller bucket in a few rounds, too few to pay
+    # a capture back (on the H200 at batch 64, captures in buckets 1-16 cost the run 0.37x).
+    capture_after: int = 32
     join_alpha: float = 0.05  # weight of one round in its arm's running join time per round
     explore_every: int = 64  # rounds between re-measurements of the stalest arm, at first
     max_explore_every: int = 1024  # ... doubling up to this while they change nothing
     estimates: dict[tuple[int, Hashable], Estimate] = field(default_factory=dict)
     taus: dict[Hashable, float] = field(default_factory=dict)  # tokens per row per round, per arm
     tau_rows: dict[Hashable, int] = field(default_factory=dict)  # rows behind each arm's τ
+    tau_sums: dict[Hashable, float] = field(default_factory=dict)  # their tokens (1 + accepted), summed
+    tau_seen: dict[Hashable, int] = field(default_factory=dict)  # policy round of each arm's last τ update
     current: dict[int, SpecConfig | None] = field(default_factory=dict)  # chosen arm per bucket
     round: int = 0
     _interval: dict[int, int] = field(default_factory=dict)  # per bucket: rounds between re-measurements
@@ -92,6 +111,8 @@ class AdaptivePolicy:
     _probed: dict[int, SpecConfig | None] = field(default_factory=dict)  # choice before a re-measurement
     _last: tuple[int, Hashable] | None = None  # (bucket, arm) of the last round observed
     _joined: float = 0.0  # seconds of joins since that round
+    _bucket: int = 0  # bucket of the last choice ...
+    _bucket_rounds: int = 0  # ... and the choices in a row made in it
 
     def __post_init__(self) -> None:
         if not self.candidates:
@@ -108,8 +129,18 @@ class AdaptivePolicy:
     def rate(self, arm: SpecConfig | None, batch: int) -> float | None:
         """Measured tokens per second per row of `arm` at this batch size (joins included), or
         None."""
-        e, tau = self.estimate(arm, batch), 1.0 if arm is PLAIN else self.taus.get(arm)
+        e, tau = self.estimate(arm, batch), self.tau(arm)
         return None if e.seconds is None or tau is None else tau / (e.seconds + e.join_seconds)
+
+    def tau(self, arm: SpecConfig | None) -> float | None:
+        """Tokens per row per round the arm is expected to yield now (tau_stale_after)."""
+        if arm is PLAIN:
+            return 1.0
+        if arm not in self.taus:
+            return None
+        if self.round - self.tau_seen[arm] > self.tau_stale_after:
+            return self.tau_sums[arm] / self.tau_rows[arm]
+        return self.taus[arm]
 
     def _borrowed(self, arm: SpecConfig | None, batch: int) -> float | None:
         """The rate of an arm not timed in this bucket, from the nearest bucket where it was (the
@@ -117,7 +148,7 @@ class AdaptivePolicy:
         decoding's between the two buckets where plain was timed in both; None if nowhere."""
         b = bucket(batch)
         timed = [k for (k, a), e in self.estimates.items() if a == arm and k != b and e.seconds is not None]
-        tau = 1.0 if arm is PLAIN else self.taus.get(arm)
+        tau = self.tau(arm)
         if not timed or tau is None:
             return None
         near = min(timed, key=lambda k: (abs(k.bit_length() - b.bit_length()), -k))
@@ -137,6 +168,9 @@ class AdaptivePolicy:
         would capture, and choosing one needs `capture_margin` over the best captured arm);
         None: every arm is ready."""
         self.round += 1
+        b = bucket(batch)
+        self._bucket_rounds = self._bucket_rounds + 1 if b == self._bucket else 1
+        self._bucket = b
         answers: dict[Hashable, bool] = {}
 
         def is_ready(arm: SpecConfig | None) -> bool:  # asked once per arm and round (it costs host time)
@@ -155,7 +189,6 @@ class AdaptivePolicy:
             if untried:
                 return untried[0]
         scores = {arm: self._score(arm, r) for arm, r in rates.items()}
-        b = bucket(batch)
         interval = self._interval.setdefault(b, self.explore_every)
         if self.round >= self._next.setdefault(b, self.round + interval):
             self._next[b] = self.round + interval
@@ -169,7 +202,7 @@ class AdaptivePolicy:
             # A capture costs several rounds: the best captured arm, unless the gain clearly pays
             captured = [arm for arm in scores if is_ready(arm)]
             alt = max(captured, key=lambda arm: scores[arm]) if captured else best
-            if scores[best] <= scores[alt] * (1 + self.capture_margin):
+            if self._bucket_rounds < self.capture_after or scores[best] <= scores[alt] * (1 + self.capture_margin):
                 best = alt
         if b in self.current and is_ready(self.current[b]):
             current = self.current[b]
@@ -197,7 +230,11 @@ class AdaptivePolicy:
         e.untimed += seconds is None
         e.last_seen = self.round
         if arm is not PLAIN and accepted:
+            if arm in self.taus and self.round - self.tau_seen[arm] > self.tau_stale_after:
+                self.taus[arm] = self.tau_sums[arm] / self.tau_rows[arm]  # a stale τ restarts from the mean
             tau, old, rows = 1.0 + sum(accepted) / len(accepted), self.taus.get(arm), self.tau_rows.get(arm, 0)
+            self.tau_sums[arm] = self.tau_sums.get(arm, 0.0) + len(accepted) + sum(accepted)
+            self.tau_seen[arm] = self.round
             w = max(len(accepted) / (rows + len(accepted)),
                     min(1.0 - (1.0 - self.tau_alpha) ** len(accepted), max(self.tau_round_cap, self.tau_alpha)))
             self.taus[arm] = tau if old is None else (1 - w) * old + w * tau
@@ -216,7 +253,7 @@ class AdaptivePolicy:
         for (b, arm), e in sorted(self.estimates.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
             out.append({"batch_bucket": b, "arm": arm_label(arm), "round_ms": None if e.seconds is None
                         else e.seconds * 1e3, "join_ms_per_round": e.join_seconds * 1e3,
-                        "tau": 1.0 if arm is PLAIN else self.taus.get(arm), "rounds": e.rounds,
+                        "tau": self.tau(arm), "rounds": e.rounds,
                         "untimed_rounds": e.untimed,
                         "chosen": self.current.get(b, "?") == arm})
         return out
