@@ -7,18 +7,38 @@ tree settings, and adaptive speculation (`--spec-adaptive`) at batch 1, 4, 16, 6
 Prints one JSON line: per batch size each arm's tokens/s and speed-up, and
 `min_speedup_over_batches` (the adaptive arm's lowest speed-up over the batch sizes; the issue's
 goal is >= 1.0) beside each fixed arm's.
+
+With 64 prompts, batch 64 is one wave: every request starts at once and none refills a slot, so
+the run ends with the slowest rows decoding alone (under speculation rows finish apart). For
+throughput with the batch kept full, --steady runs batch 16 and 64 over the four bundled prompt
+sets interleaved (320 prompts, 128 of them as the warm-up):
+
+    python benchmarks/h200_batch.py --steady --out benchmarks/results/h200_batch_steady.json --h200-json benchmarks/h200.json
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import tempfile
+from pathlib import Path
 
 from h200_json import (  # benchmarks/ is on sys.path when run as a script
     update_h200_json,
     write_results,
 )
 from reference_pair import run_bench
+
+
+def mixed_prompts(path: Path) -> int:
+    """The bundled prompt sets interleaved one prompt at a time into one JSONL file: how many."""
+    from draftsman.bench import PROMPT_SETS, load_prompt_set
+
+    sets = [load_prompt_set(name) for name in PROMPT_SETS]
+    mixed = [p for group in itertools.zip_longest(*sets) for p in group if p is not None]
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in mixed))
+    return len(mixed)
 
 
 def main() -> None:
@@ -38,7 +58,15 @@ def main() -> None:
                     help="draftsman bench --eager-prefill (newcomers prefilled eagerly, as before staged prefills)")
     ap.add_argument("--warmup-passes", type=int, default=3,
                     help="draftsman bench --warmup-passes (default 3: warm-ups repeat while they capture graphs)")
+    ap.add_argument("--steady", action="store_true",
+                    help="batch 16 and 64 over the four prompt sets interleaved (320 prompts, warm-up 128): "
+                         "the batch stays full, refilled as requests finish")
     args = ap.parse_args()
+    if args.steady:
+        mix = Path(tempfile.mkdtemp()) / "mixed_prompts.jsonl"
+        args.num_prompts, args.dataset = mixed_prompts(mix), str(mix)
+        args.batch_sizes = "16,64" if args.batch_sizes == ap.get_default("batch_sizes") else args.batch_sizes
+        args.warmup = 128 if args.warmup is None else args.warmup
     result, cmd = run_bench(["--dataset", args.dataset, "--num-prompts", str(args.num_prompts),
                              "--max-new-tokens", str(args.max_new_tokens), "--temperature", args.temperature,
                              "--device", args.device, "--batch-sizes", args.batch_sizes, "--spec-adaptive",
@@ -55,7 +83,9 @@ def main() -> None:
                                  "time_elsewhere_s")}}
     arms = [a for a in by_batch[str(result["batch_sizes"][0])] if a != "plain"]
     minimum = {a: min(b[a]["speedup"] for b in by_batch.values()) for a in arms}
-    summary = {"device": result["device"], "dtype": result["dtype"], "dataset": args.dataset,
+    summary = {"device": result["device"], "dtype": result["dtype"],
+               "dataset": "mt-bench+humaneval+gsm8k+alpaca, interleaved" if args.steady else args.dataset,
+               "steady": args.steady,
                "temperature": float(args.temperature), "num_prompts": args.num_prompts,
                "max_new_tokens": args.max_new_tokens, "eager_prefill": args.eager_prefill,
                "warmup_passes": args.warmup_passes,
@@ -63,8 +93,9 @@ def main() -> None:
                "min_speedup_over_batches": minimum["spec-adaptive"], "command": " ".join(cmd[1:])}
     write_results(args.out, {"summary": summary, "bench": result})
     if args.h200_json:
-        update_h200_json(args.h200_json, {"min_speedup_over_batches": minimum["spec-adaptive"],
-                                          "min_speedup_over_batches_fixed": minimum}, args.out or "(not saved)")
+        key = "min_speedup_steady_batch_16_64" if args.steady else "min_speedup_over_batches"
+        update_h200_json(args.h200_json, {key: minimum["spec-adaptive"], f"{key}_fixed": minimum},
+                         args.out or "(not saved)")
     print(json.dumps(summary))
 
 

@@ -112,7 +112,7 @@ def test_policy_keeps_to_captured_arms_unless_a_capture_clearly_pays():
     feed_ready(policy, 1, {PLAIN: 1.0, CHAIN: 1.5, TREE: 2.4}, taus, 4, ready={PLAIN, CHAIN, TREE})
     assert policy.current[1] == TREE
     assert policy.choose(1, ready=lambda a: False) == TREE  # nothing captured: no reason to move
-    policy.observe(CHAIN, 1, 1.0, [2])  # CHAIN at 1.44x TREE's rate: not worth a capture ...
+    policy.observe(CHAIN, 1, 2.2, [2])  # CHAIN at 1.09x TREE's rate: not worth a capture ...
     assert policy.choose(1, ready=lambda a: a is TREE) == TREE
     policy.observe(CHAIN, 1, 1.0, [4])  # ... at 2.4x it is
     assert policy.choose(1, ready=lambda a: a is TREE) == CHAIN

@@ -79,7 +79,7 @@ class AdaptivePolicy:
     # arm chosen for ~20 rounds (seen on CPU, where speculation loses at every batch).
     tau_alpha: float = 0.05
     switch_margin: float = 0.03  # another arm must beat the current one by this fraction
-    capture_margin: float = 0.5  # ... this much if it needs a CUDA graph capture and a captured arm does not
+    capture_margin: float = 0.15  # ... this much if it needs a CUDA graph capture and a captured arm does not
     plain_margin: float = 0.1  # speculation must beat plain decoding by this fraction to be chosen
     tau_round_cap: float = 0.2  # most weight one round has in τ (at large batch a round has many rows),
     # once τ has seen 1/tau_alpha rows (or one row's weight, if tau_alpha is more)
