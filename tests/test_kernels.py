@@ -52,6 +52,9 @@ for n in (1, 5, 21):  # decode, a small verify, more assignments than one block
         gate_up = torch.cat((shared.gate_proj.weight, shared.up_proj.weight))
         got = moe_experts_gemv(x, weights, ids, *w, shared=(gate_up, shared.down_proj.weight), block_n=8, block_k=16)
         torch.testing.assert_close(got, expected + shared(x), rtol=1e-5, atol=1e-5)
+        # the default tiles (block_k capped at the hidden size's power of two: 64 here, 48 used)
+        got = moe_experts_gemv(x, weights, ids, *w, shared=(gate_up, shared.down_proj.weight))
+        torch.testing.assert_close(got, expected + shared(x), rtol=1e-5, atol=1e-5)
 print("ok")
 """
 
