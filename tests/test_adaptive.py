@@ -108,7 +108,7 @@ def test_policy_keeps_to_captured_arms_unless_a_capture_clearly_pays():
     # captured now: the usual margin applies
     assert feed_ready(policy, 1, {PLAIN: 1.0, CHAIN: 1.5, TREE: 2.4}, taus, 3, ready={CHAIN, TREE})[-1] == TREE
     # the current arm needs a capture too (a new span): take the best
-    policy = AdaptivePolicy([CHAIN, TREE], explore_every=1000, alpha=1.0, tau_alpha=1.0, capture_after=0)
+    policy = AdaptivePolicy([CHAIN, TREE], explore_every=1000, window=1, tau_alpha=1.0, capture_after=0)
     feed_ready(policy, 1, {PLAIN: 1.0, CHAIN: 1.5, TREE: 2.4}, taus, 4, ready={PLAIN, CHAIN, TREE})
     assert policy.current[1] == TREE
     assert policy.choose(1, ready=lambda a: False) == TREE  # nothing captured: no reason to move
@@ -124,7 +124,7 @@ def test_a_new_bucket_times_captured_arms_and_borrows_the_rest():
     borrow their rate from the nearest timed bucket (scaled by plain decoding's round time
     between the two), and only a clear gain pays a capture."""
     taus = {PLAIN: 1, CHAIN: 3, TREE: 5}
-    policy = AdaptivePolicy([CHAIN, TREE], explore_every=1000, alpha=1.0, tau_alpha=1.0, plain_margin=0.0,
+    policy = AdaptivePolicy([CHAIN, TREE], explore_every=1000, window=1, tau_alpha=1.0, plain_margin=0.0,
                             capture_after=0)
     feed(policy, 64, {PLAIN: 1.0, CHAIN: 3.6, TREE: 6.0}, taus, 3)  # batch 64: plain wins
     ready = {PLAIN}
@@ -148,7 +148,7 @@ def test_captures_wait_until_the_batch_stays_in_its_bucket():
     enough to pay a capture back: an arm that would capture is chosen only after capture_after
     rounds in the bucket, though it is 2.5x faster."""
     taus = {PLAIN: 1, CHAIN: 3, TREE: 5}
-    policy = AdaptivePolicy([CHAIN, TREE], explore_every=1000, alpha=1.0, tau_alpha=1.0, capture_after=8)
+    policy = AdaptivePolicy([CHAIN, TREE], explore_every=1000, window=1, tau_alpha=1.0, capture_after=8)
     feed(policy, 4, {PLAIN: 1.0, CHAIN: 1.5, TREE: 2.0}, taus, 3)
     chosen = feed_ready(policy, 2, {PLAIN: 0.9, CHAIN: 1.4, TREE: 1.8}, taus, 12, ready={PLAIN})
     assert chosen[:7] == [PLAIN] * 7 and chosen[7:] == [TREE] * 5
@@ -160,7 +160,7 @@ def test_a_dropped_arm_s_tau_goes_back_to_its_mean_once_stale():
     """An arm dropped on a run of bad rounds keeps the running τ it was dropped with, since
     nothing updates it while it does not run; after tau_stale_after rounds the policy trusts the
     arm's mean over all its rows instead, and takes it up again where that wins."""
-    policy = AdaptivePolicy([CHAIN], explore_every=10_000, alpha=1.0, tau_alpha=0.05, tau_stale_after=50)
+    policy = AdaptivePolicy([CHAIN], explore_every=10_000, window=1, tau_alpha=0.05, tau_stale_after=50)
     chosen = []
     for i in range(400):
         arm = policy.choose(1)
@@ -173,6 +173,17 @@ def test_a_dropped_arm_s_tau_goes_back_to_its_mean_once_stale():
     assert back - drop <= 52 and chosen[-100:] == [CHAIN] * 100  # taken up again once stale, and kept
     assert policy.tau_sums[CHAIN] / policy.tau_rows[CHAIN] == pytest.approx(
         (4 * (policy.tau_rows[CHAIN] - 30) + 30) / policy.tau_rows[CHAIN], rel=0.05)
+
+
+def test_one_slow_round_does_not_flip_the_choice():
+    """Round times are medians of the last rounds: a host hiccup (one plain round 10x slower)
+    must not make speculation that loses look like it wins."""
+    policy = AdaptivePolicy([CHAIN], explore_every=1000, tau_alpha=1.0, plain_margin=0.0)
+    feed(policy, 64, {PLAIN: 1.0, CHAIN: 3.3}, {PLAIN: 1, CHAIN: 3}, 10)
+    assert policy.current[64] is PLAIN
+    policy.observe(PLAIN, 64, 10.0, [0] * 64)  # the hiccup
+    assert feed(policy, 64, {PLAIN: 1.0, CHAIN: 3.3}, {PLAIN: 1, CHAIN: 3}, 10) == [PLAIN] * 10
+    assert policy.estimate(PLAIN, 64).seconds == 1.0
 
 
 def test_policy_asks_readiness_once_per_arm_and_round():
@@ -188,7 +199,7 @@ def test_policy_asks_readiness_once_per_arm_and_round():
 
 def test_untimed_rounds_count_acceptance_not_cost():
     """Rounds that captured a CUDA graph report no time: a capture must not make an arm look slow."""
-    policy = AdaptivePolicy([CHAIN], explore_every=1000, alpha=1.0, tau_alpha=1.0)
+    policy = AdaptivePolicy([CHAIN], explore_every=1000, window=1, tau_alpha=1.0)
     feed(policy, 1, {PLAIN: 1.0, CHAIN: 1.0}, {PLAIN: 1, CHAIN: 3}, 4)
     policy.observe(CHAIN, 1, None, [4])  # a capture round: acceptance counts, its 'cost' does not
     assert policy.estimate(CHAIN, 1).seconds == 1.0 and policy.taus[CHAIN] == 5.0
@@ -198,7 +209,7 @@ def test_untimed_rounds_count_acceptance_not_cost():
 def test_acceptance_carries_across_batch_buckets():
     """τ is a property of the text and drafter, one estimate per arm: acceptance seen at batch 16
     moves the choice at batch 1, while round times stay per bucket."""
-    policy = AdaptivePolicy([CHAIN], explore_every=1000, alpha=1.0, tau_alpha=1.0)
+    policy = AdaptivePolicy([CHAIN], explore_every=1000, window=1, tau_alpha=1.0)
     feed(policy, 1, {PLAIN: 1.0, CHAIN: 1.2}, {PLAIN: 1, CHAIN: 3}, 3)
     assert policy.choose(1) == CHAIN and policy.rate(CHAIN, 16) is None  # not timed at 16 yet
     policy.observe(CHAIN, 16, 5.0, [0] * 16)  # the text turned hard: nothing accepted
@@ -210,7 +221,7 @@ def test_re_measurements_back_off_while_they_change_nothing():
     """Where speculation clearly loses, re-measuring it every explore_every rounds would cost
     throughput forever: the interval doubles (to max_explore_every) while choices hold, and a
     re-measurement that changes the choice is acted on."""
-    policy = AdaptivePolicy([CHAIN], explore_every=4, max_explore_every=64, alpha=1.0, tau_alpha=1.0)
+    policy = AdaptivePolicy([CHAIN], explore_every=4, max_explore_every=64, window=1, tau_alpha=1.0)
     losing = feed(policy, 1, {PLAIN: 1.0, CHAIN: 4.0}, {PLAIN: 1, CHAIN: 2}, 200)
     assert 4 <= losing.count(CHAIN) <= 9  # 1 + re-measurements at 4, 8, 16, 32, 64, 64 rounds
     winning = feed(policy, 1, {PLAIN: 1.0, CHAIN: 0.5}, {PLAIN: 1, CHAIN: 2}, 80)
@@ -219,7 +230,7 @@ def test_re_measurements_back_off_while_they_change_nothing():
 
 
 def test_policy_needs_a_margin_to_switch_and_re_measures_stale_arms():
-    policy = AdaptivePolicy([CHAIN], explore_every=10, alpha=1.0, tau_alpha=1.0, plain_margin=0.0)
+    policy = AdaptivePolicy([CHAIN], explore_every=10, window=1, tau_alpha=1.0, plain_margin=0.0)
     feed(policy, 1, {PLAIN: 1.0, CHAIN: 1.0}, {PLAIN: 1, CHAIN: 2}, 6)
     assert policy.current[1] == CHAIN
     # plain now 2% faster than the chain: within the margin, no switch (except explorations)
@@ -233,9 +244,9 @@ def test_speculation_must_beat_plain_by_the_plain_margin():
     """Rates within plain_margin of plain decoding keep plain rounds (costs no estimate sees fall
     on speculation); a clear win still speculates."""
     taus = {PLAIN: 1, CHAIN: 3}
-    policy = AdaptivePolicy([CHAIN], explore_every=1000, alpha=1.0, tau_alpha=1.0, tau_round_cap=1.0)
+    policy = AdaptivePolicy([CHAIN], explore_every=1000, window=1, tau_alpha=1.0, tau_round_cap=1.0)
     assert feed(policy, 64, {PLAIN: 1.0, CHAIN: 2.85}, taus, 10)[2:] == [PLAIN] * 8  # 5% faster
-    policy = AdaptivePolicy([CHAIN], explore_every=1000, alpha=1.0, tau_alpha=1.0, tau_round_cap=1.0)
+    policy = AdaptivePolicy([CHAIN], explore_every=1000, window=1, tau_alpha=1.0, tau_round_cap=1.0)
     assert feed(policy, 64, {PLAIN: 1.0, CHAIN: 2.5}, taus, 10)[2:] == [CHAIN] * 8  # 20% faster
 
 
@@ -243,7 +254,7 @@ def test_joins_are_charged_to_the_arm_of_the_round_before():
     """Speculation staggers when rows finish, so a continuous batch refills after more of its
     rounds: the join time per round counts in the arm's rate (the H200 case: rounds 1.24x
     faster than plain steps, but twice the joins, and the run 0.85x)."""
-    policy = AdaptivePolicy([CHAIN], explore_every=1000, alpha=1.0, tau_alpha=1.0, join_alpha=1.0,
+    policy = AdaptivePolicy([CHAIN], explore_every=1000, window=1, tau_alpha=1.0, join_alpha=1.0,
                             plain_margin=0.0)
     feed(policy, 16, {PLAIN: 1.0, CHAIN: 2.0}, {PLAIN: 1, CHAIN: 3}, 3)
     assert policy.choose(16) == CHAIN  # 1.5 tokens per unit of time against 1.0
