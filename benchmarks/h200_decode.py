@@ -26,8 +26,8 @@ Arms, all batch 1, greedy, one prompt of --prompt-len tokens then --new-tokens t
                     SwiGLU, MLA's absorbed per-head products as batched GEMMs (default: the
                     Triton routing kernel, shared experts in the routed experts' launches,
                     head_gemv; deepseek.ROUTE_KERNEL, SHARED_WITH_ROUTED, HEAD_GEMV_ROWS)
-  *_absorbcombine   (Moonlight) the attention's split combine and the absorbed value projection
-                    in one kernel (deepseek.ABSORB_IN_COMBINE; default off)
+  *_noabsorbcombine (Moonlight) the attention's split combine and the absorbed value projection
+                    as three kernels (default: one, deepseek.ABSORB_IN_COMBINE)
   *_unfused         Triton GEMVs, but without the fused decode layers (default for Llama: RMSNorm,
                     SwiGLU and residual adds folded into the GEMVs; llama.FUSED_DECODE)
 ms/token = (time for N tokens - time for 1 token) / (N - 1), so prefill is excluded.
@@ -450,6 +450,7 @@ def main() -> None:
                     use_gemv(model, "_cublas" not in arm)
                     llama.FUSED_DECODE = "_unfused" not in arm
                     chained_defaults = llama.FUSED_DECODE_CHAINED, llama.CHAINED_GATE_UP
+                    absorb_default = deepseek.ABSORB_IN_COMBINE
                     llama.FUSED_DECODE_CHAINED = "_unchained" not in arm
                     if "_gu_" in arm:
                         fold = arm.split("_gu_")[1].split("_")[0]
@@ -460,7 +461,7 @@ def main() -> None:
                     # per-head products as batched GEMMs (the path before those kernels)
                     deepseek.ROUTE_KERNEL = deepseek.SHARED_WITH_ROUTED = "_torchmoe" not in arm
                     deepseek.HEAD_GEMV_ROWS = 0 if "_torchmoe" in arm else 8
-                    deepseek.ABSORB_IN_COMBINE = "_absorbcombine" in arm
+                    deepseek.ABSORB_IN_COMBINE = absorb_default and "_noabsorbcombine" not in arm
                     if "_autotune" in arm:  # Triton GEMM templates with fused epilogues
                         os.environ["DRAFTSMAN_COMPILE_MODE"] = "max-autotune-no-cudagraphs"
                     try:
@@ -475,7 +476,7 @@ def main() -> None:
                         layers.DECODE_ATTENTION = True
                         deepseek.ROUTE_KERNEL = deepseek.SHARED_WITH_ROUTED = True
                         deepseek.HEAD_GEMV_ROWS = 8
-                        deepseek.ABSORB_IN_COMBINE = False
+                        deepseek.ABSORB_IN_COMBINE = absorb_default
                         os.environ.pop("DRAFTSMAN_COMPILE_MODE", None)
                     del _runner, _cache
                     if arm == "graph_compiled":

@@ -50,7 +50,7 @@ step gpu_tests_moe 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/tes
 step decode_moonlight 360 python3 benchmarks/h200_decode.py --geometry moonlight-16b-a3b \
   --arms graph_compiled,graph_compiled_sdpa_torchmoe --profile --out "$OUT/decode_moonlight.json" --h200-json "$H"
 step decode_moonlight_default 300 python3 benchmarks/h200_decode.py --geometry moonlight-16b-a3b \
-  --arms graph_compiled,graph_compiled_absorbcombine --profile --out "$OUT/decode_moonlight_default.json"
+  --arms graph_compiled,graph_compiled_noabsorbcombine --profile --out "$OUT/decode_moonlight_default.json"
 step rounds_moonlight 200 python3 benchmarks/h200_decode.py --geometry moonlight-16b-a3b --arms rounds \
   --out "$OUT/rounds_moonlight.json" --h200-json "$H"
 step rounds_8b_compiled 500 python3 benchmarks/h200_decode.py --arms rounds --compile-rounds \
