@@ -49,6 +49,34 @@ def test_join_midway_and_cancel(target, kind):
 
 
 @pytest.mark.parametrize("kind", ["plain", "spec"])
+def test_longest_row_follows_joins_rounds_and_cancels(target, kind):
+    """longest_row (behind every span) is remembered between changes: it must follow tokens
+    emitted, rows joining and rows leaving, as a fresh count does."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (30, 5, 9)]
+    session = make_session(kind, target)
+    reqs = [Request(i, p, StopRules(max_new_tokens=m)) for i, (p, m) in enumerate(zip(prompts, (6, 40, 30), strict=True))]
+
+    def fresh():
+        return max((len(r.prompt) + len(r.state.tokens) for r in session.rows), default=0)
+
+    session.add(reqs[1:2])
+    seen = [session.longest_row()]
+    assert seen[-1] == fresh()
+    session.add(reqs[:1])  # a longer prompt joins
+    assert session.longest_row() == fresh() == 31
+    while session.num_running:
+        session.step()
+        assert session.longest_row() == fresh()
+        if session.num_running == 1 and len(reqs[2].state.tokens) == 0:
+            session.add(reqs[2:])
+            assert session.longest_row() == fresh()
+            session.cancel([1])
+            assert session.longest_row() == fresh()
+    assert session.longest_row() == 0 and len(reqs[2].state.tokens) == 30  # (the join and cancel ran)
+
+
+@pytest.mark.parametrize("kind", ["plain", "spec"])
 def test_greedy_rows_unaffected_by_sampled_neighbours(target, kind):
     prompts = [[5, 9, 14, 3], [7, 7, 8]]
     rules = StopRules(max_new_tokens=16)

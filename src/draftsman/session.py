@@ -102,6 +102,10 @@ class DecodeSession(abc.ABC):
         self.graph_prefill = self.graphed
         self._staging: dict[str, StaticCache] = {}
         self._stageable: bool | None = None  # whether the target's caches can stage (not a pipeline's)
+        # The longest row (prompt + tokens), asked several times a round (spans of each arm the
+        # adaptive policy weighs): computed once per change of the rows or their tokens.
+        self._changes = 0
+        self._longest: tuple[int, int] = (-1, 0)  # (_changes when computed, length)
 
     # ---- public ------------------------------------------------------------------------
     @property
@@ -174,8 +178,14 @@ class DecodeSession(abc.ABC):
         sessions attend over the whole cache: each new span would recompile the forwards."""
         if self.compile:  # one shape for the whole cache: a new span would mean a new compilation
             return cache.max_len
-        need = max(len(r.prompt) + len(r.state.tokens) for r in self.rows) + extra
+        need = self.longest_row() + extra
         return min(cache.max_len, max(SPAN_MIN, pow2_ceil(need)))
+
+    def longest_row(self) -> int:
+        """Tokens in the longest running row (prompt + emitted), as of the last change."""
+        if self._longest[0] != self._changes:
+            self._longest = (self._changes, max((len(r.prompt) + len(r.state.tokens) for r in self.rows), default=0))
+        return self._longest[1]
 
     def run_step(self, module: torch.nn.Module, kind: str, fn, caches: Sequence[StaticCache],
                  **inputs: Tensor) -> Outputs:
@@ -234,6 +244,7 @@ class DecodeSession(abc.ABC):
 
     def _emit(self, row_ids: Sequence[int], tokens: Sequence[Sequence[int]]) -> list[Event]:
         """Apply stop rules to each row's new tokens, report them, drop finished rows."""
+        self._changes += 1
         events = []
         for i, toks in zip(row_ids, tokens, strict=True):
             row = self.rows[i]
@@ -277,6 +288,7 @@ class DecodeSession(abc.ABC):
         return step
 
     def _join(self, rows: list[Request], caches: list[StaticCache], tensors: dict[str, Tensor]) -> None:
+        self._changes += 1
         if not self.caches:
             # A staging cache is reused by the next prefill: the running rows get their own.
             staged = {id(c) for c in self._staging.values()}
@@ -293,6 +305,7 @@ class DecodeSession(abc.ABC):
     def _keep(self, keep: list[int]) -> None:
         if len(keep) == len(self.rows):
             return
+        self._changes += 1
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         self.rows = [self.rows[i] for i in keep]
         for cache in self.caches:
