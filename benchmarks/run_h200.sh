@@ -42,6 +42,7 @@ step gemv_fused 120 python3 benchmarks/h200_gemv.py --fused-only --out "$OUT/gem
 step gemv 200 python3 benchmarks/h200_gemv.py --out "$OUT/gemv_8b.json"
 step gemv_moonlight 200 python3 benchmarks/h200_moonlight_gemv.py --out "$OUT/gemv_moonlight.json"
 step batch 420 python3 benchmarks/h200_batch.py --out "$OUT/batch.json" --h200-json "$H"
+step adaptive_overhead 150 python3 benchmarks/h200_adaptive_overhead.py --out "$OUT/adaptive_overhead.json"
 step batch_steady 200 python3 benchmarks/h200_batch.py --steady --out "$OUT/batch_steady.json" --h200-json "$H"
 step batch_eager_prefill 240 python3 benchmarks/h200_batch.py --eager-prefill --out "$OUT/batch_eager_prefill.json"
 step rounds_8b 150 python3 benchmarks/h200_decode.py --arms rounds --batches 1,4,16,64 \

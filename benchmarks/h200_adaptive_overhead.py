@@ -1,0 +1,125 @@
+"""What an adaptive session's plain round costs beyond a plain session's step, with the embedded
+reference pair at one batch size: the same requests decoded by a `PlainSession` and by an
+adaptive `SpecSession` whose policy weighs its arms as usual but always answers plain (so the
+round runs the policy, the readiness checks, the backlog and the drafter's catch-ups).
+
+    python benchmarks/h200_adaptive_overhead.py --out benchmarks/results/h200_adaptive_overhead.json
+
+On the H200 the adaptive arm's plain rounds read 2.51 ms against 1.99 ms per plain step at
+batch 64 (results/h200_batch_16_64_median.json). Per arm this prints: wall ms per step (the
+catch-ups included), the policy's round clock (adaptive), and from torch.profiler over
+--profile-steps steps the kernels and their time per step, so the gap splits into device work
+and host work. One JSON line; --out keeps it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter
+
+import torch
+from h200_json import write_results  # benchmarks/ is on sys.path when run as a script
+
+import draftsman
+from draftsman.bench import load_prompt_set
+from draftsman.cli import resolve_device, resolve_dtype
+from draftsman.generate import StopRules
+from draftsman.sampling import SamplingParams
+from draftsman.session import PlainSession, Request
+from draftsman.spec.adaptive import PLAIN, AdaptivePolicy
+from draftsman.spec.engine import SpecConfig, SpecSession
+from draftsman.tokenizer import encode_prompt, load_tokenizer
+
+ARMS = [SpecConfig(5, 1, 6), SpecConfig(5, 4, 6), SpecConfig(5, 4, 16)]  # h200_batch.py's
+
+
+class PlainOnly(AdaptivePolicy):
+    """The adaptive policy's work every round, its answer always plain decoding."""
+
+    def choose(self, batch, ready=None):
+        super().choose(batch, ready)
+        return PLAIN
+
+
+def kernel_profile(session, steps: int, device: torch.device) -> dict:
+    """Kernels of `steps` session steps: count and device microseconds per step, top 8."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            session.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    kernels: Counter = Counter()
+    calls: Counter = Counter()
+    for e in prof.events():
+        if device.type == "cuda" and e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name] += e.device_time
+            calls[e.name] += 1
+    top = [{"kernel": k[:90], "us_per_step": v / steps, "calls_per_step": calls[k] / steps}
+           for k, v in kernels.most_common(8)]
+    return {"kernels_per_step": sum(calls.values()) / steps, "kernel_us_per_step": sum(kernels.values()) / steps,
+            "top": top}
+
+
+def run_arm(session, prompts: list[list[int]], steps: int, warmup: int, profile_steps: int,
+            device: torch.device) -> dict:
+    rules = StopRules(max_new_tokens=warmup + steps + profile_steps + 8)
+    session.add([Request(i, p, rules, SamplingParams(temperature=0.0)) for i, p in enumerate(prompts)])
+    for _ in range(warmup):  # captures every graph the timed steps replay (spans included)
+        session.step()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        session.step()
+        times.append(time.perf_counter() - t)
+    times.sort()
+    out = {"rows": session.num_running, "wall_ms_per_step_median": times[len(times) // 2] * 1e3,
+           "wall_ms_per_step_mean": sum(times) / len(times) * 1e3}
+    policy = getattr(session, "policy", None)
+    if policy is not None:
+        plain = [r for r in policy.summary() if r["arm"] == "plain" and r["round_ms"] is not None]
+        out["policy_plain_round_ms"] = plain[-1]["round_ms"] if plain else None
+    out |= kernel_profile(session, profile_steps, device)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=200, help="timed steps per arm")
+    ap.add_argument("--warmup", type=int, default=200, help="untimed steps first: they capture the graphs of the "
+                    "spans the timed steps meet (spans double with the rows' length)")
+    ap.add_argument("--profile-steps", type=int, default=20)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    target_dir, drafter_dir = draftsman.reference_pair()
+    target = draftsman.load_target(target_dir, device=device, dtype=dtype)
+    drafter = draftsman.load_drafter(drafter_dir, target=target, device=device, dtype=dtype, inference=True)
+    tok = load_tokenizer(target_dir)
+    texts = load_prompt_set("mt-bench")
+    prompts = [encode_prompt(tok, texts[i % len(texts)], chat=True) for i in range(args.batch)]
+    max_len = max(map(len, prompts)) + args.warmup + args.steps + args.profile_steps + 16
+    arms = {
+        "plain": run_arm(PlainSession(target, max_len), prompts, args.steps, args.warmup, args.profile_steps, device),
+        "adaptive_plain": run_arm(SpecSession(target, drafter, None, max_len, policy=PlainOnly(ARMS)), prompts,
+                                  args.steps, args.warmup, args.profile_steps, device),
+    }
+    ratio = arms["adaptive_plain"]["wall_ms_per_step_median"] / arms["plain"]["wall_ms_per_step_median"]
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."), "batch": args.batch,
+              "steps": args.steps, "date": time.strftime("%Y-%m-%d"), "arms": arms,
+              "adaptive_plain_over_plain_step": ratio}
+    write_results(args.out, result)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
