@@ -502,12 +502,12 @@ def warm_up(session: DecodeSession, workload: Workload, batch_size: int) -> int:
     """Run the warm-up requests through the session, again while a pass captured CUDA graphs (up
     to workload.warmup_passes): a fixed arm repeats itself exactly, but an adaptive arm's choices
     (and so its shapes) differ from pass to pass. Returns the passes run."""
-    passes = 0
+    modules, passes = (session.target, getattr(session, "drafter", None)), 0
     while workload.warmup and passes < workload.warmup_passes:
-        before = captures(session.target, getattr(session, "drafter", None))
+        before = captures(*modules)
         drive_session(session, _requests(workload.prompts[: workload.warmup], workload, f"warmup{passes}-"), batch_size)
         passes += 1
-        if captures(session.target, getattr(session, "drafter", None)) == before:
+        if captures(*modules) == before:
             break
     return passes
 

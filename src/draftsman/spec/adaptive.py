@@ -60,7 +60,7 @@ class Estimate:
     """Round time of one arm in one batch bucket (AdaptivePolicy.window)."""
 
     seconds: float | None = None  # per round: the median of `recent`
-    recent: deque = field(default_factory=deque)  # the last timed rounds' seconds
+    recent: deque = field(default_factory=deque)  # the last timed rounds' seconds (maxlen: the window)
     rounds: int = 0  # rounds observed, timed or not
     last_seen: int = -1  # policy round counter at the last observation
     join_seconds: float = 0.0  # running mean per round of joins that followed this arm's rounds
@@ -130,7 +130,10 @@ class AdaptivePolicy:
         return [PLAIN, *self.candidates]
 
     def estimate(self, arm: SpecConfig | None, batch: int) -> Estimate:
-        return self.estimates.setdefault((bucket(batch), arm), Estimate())
+        key = (bucket(batch), arm)
+        if key not in self.estimates:
+            self.estimates[key] = Estimate(recent=deque(maxlen=self.window))
+        return self.estimates[key]
 
     def rate(self, arm: SpecConfig | None, batch: int) -> float | None:
         """Measured tokens per second per row of `arm` at this batch size (joins included), or
@@ -144,9 +147,15 @@ class AdaptivePolicy:
             return 1.0
         if arm not in self.taus:
             return None
-        if self.round - self.tau_seen[arm] > self.tau_stale_after:
-            return self.tau_sums[arm] / self.tau_rows[arm]
-        return self.taus[arm]
+        return self._mean_tau(arm) if self._stale(arm) else self.taus[arm]
+
+    def _stale(self, arm: SpecConfig) -> bool:
+        """Whether the arm's running τ is older than tau_stale_after rounds."""
+        return self.round - self.tau_seen[arm] > self.tau_stale_after
+
+    def _mean_tau(self, arm: SpecConfig) -> float:
+        """The arm's τ over every row it has run."""
+        return self.tau_sums[arm] / self.tau_rows[arm]
 
     def _borrowed(self, arm: SpecConfig | None, batch: int) -> float | None:
         """The rate of an arm not timed in this bucket, from the nearest bucket where it was (the
@@ -236,8 +245,8 @@ class AdaptivePolicy:
         e.untimed += seconds is None
         e.last_seen = self.round
         if arm is not PLAIN and accepted:
-            if arm in self.taus and self.round - self.tau_seen[arm] > self.tau_stale_after:
-                self.taus[arm] = self.tau_sums[arm] / self.tau_rows[arm]  # a stale τ restarts from the mean
+            if arm in self.taus and self._stale(arm):
+                self.taus[arm] = self._mean_tau(arm)  # a stale τ restarts from the mean
             tau, old, rows = 1.0 + sum(accepted) / len(accepted), self.taus.get(arm), self.tau_rows.get(arm, 0)
             self.tau_sums[arm] = self.tau_sums.get(arm, 0.0) + len(accepted) + sum(accepted)
             self.tau_seen[arm] = self.round
@@ -246,9 +255,7 @@ class AdaptivePolicy:
             self.taus[arm] = tau if old is None else (1 - w) * old + w * tau
             self.tau_rows[arm] = rows + len(accepted)
         if seconds is not None:
-            e.recent.append(seconds)
-            while len(e.recent) > self.window:
-                e.recent.popleft()
+            e.recent.append(seconds)  # (the window's oldest drops out)
             e.seconds = statistics.median(e.recent)
 
     def observe_join(self, seconds: float) -> None:

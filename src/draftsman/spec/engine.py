@@ -90,8 +90,7 @@ class SpecSession(DecodeSession):
         self.spec = self.shapes[0]  # the shape of the round being run
         self.max_steps = max(c.steps for c in self.shapes)
         self.aux_ids = tuple(drafter.aux_layer_ids)
-        self._backlog = False  # plain rounds ran since the drafter last caught up
-        self._plain_run = 0  # ... how many (a row holds at most this many backlog pairs)
+        self._plain_run = 0  # plain rounds since the drafter last caught up (a row holds at most this many pairs)
         self._t_span = self._d_span = None  # attention spans of the round being run (_set_spans)
         self._compiled_shapes: set = set()  # (arm, batch bucket) rounds run so far, with compile
         # Shapes known to replay captured graphs (_captured's question to the graph tables builds
@@ -229,7 +228,7 @@ class SpecSession(DecodeSession):
     def _catch_up_due(self, arm: SpecConfig | None) -> bool:
         """Whether a round of `arm` now starts with the drafter's catch-up: before speculation
         after plain rounds, and before a plain round when the backlog is full."""
-        return self._backlog and (arm is not None or self._plain_run >= BACKLOG)
+        return self._plain_run > 0 and (arm is not None or self._plain_run >= BACKLOG)
 
     def _captured(self, arm: SpecConfig | None) -> bool:
         """Whether a round of `arm` now would replay CUDA graphs captured before (a capture costs
@@ -323,7 +322,6 @@ class SpecSession(DecodeSession):
         nxt = new[1]
         for k, v in zip(PLAIN_STATE, new, strict=True):
             st[k] = v
-        self._backlog = True
         self._plain_run += 1
         # Not counted in the requests' acceptance statistics: they describe speculative rounds.
         return self._emit(range(len(self.rows)), [[t] for t in nxt.tolist()]), [0] * len(self.rows)
@@ -339,8 +337,7 @@ class SpecSession(DecodeSession):
         pos = n[:, None]
         inputs = {"tokens": root[:, None], "positions": pos, "slots": pos,
                   "mask": slot_mask(pos, self._t_span if self._t_span is not None else int(n.max()) + 1)}
-        logits, *aux = (self.run_step(self.target, ("verify", self.aux_ids), self._target_verify, [self.caches[0]],
-                                      **inputs) if graph else self._target_verify(**inputs))
+        logits, *aux = self._verify(inputs) if graph else self._target_verify(**inputs)
         nxt = sample(logits[:, 0])
         feats = torch.cat(aux, -1).to(bk_feats.dtype)
         return (n + 1, nxt, torch.cat([bk_tokens[:, 1:], nxt[:, None]], 1), torch.cat([bk_feats[:, 1:], feats], 1),
@@ -362,7 +359,7 @@ class SpecSession(DecodeSession):
         st["d_logits"] = torch.where(has, d_logits, st["d_logits"])
         st["d_hidden"] = torch.where(has, d_hidden, st["d_hidden"])
         st["bk_count"] = torch.zeros_like(count)
-        self._backlog, self._plain_run = False, 0
+        self._plain_run = 0
 
     def _greedy_round(self, n: Tensor, root: Tensor, d_logits: Tensor, d_hidden: Tensor) -> tuple[Tensor, ...]:
         tree = self._draft(n, root, d_logits, d_hidden)
@@ -437,14 +434,13 @@ class SpecSession(DecodeSession):
                          aux_layer_ids=self.aux_ids)
         return (out.logits, *out.aux_hidden)
 
-    def _verify(self, tree: VerifyTree, n: Tensor) -> tuple[Tensor, ...]:
-        """The tree's target forward, from a CUDA graph when static: (logits, *aux states)."""
-        inputs = self._verify_inputs(tree, n)
+    def _verify(self, inputs: dict[str, Tensor]) -> tuple[Tensor, ...]:
+        """_target_verify(**inputs), from a CUDA graph when static: (logits, *aux states)."""
         return self.run_step(self.target, ("verify", self.aux_ids), self._target_verify, [self.caches[0]], **inputs)
 
     def _verify_and_accept(self, tree: VerifyTree, n: Tensor) -> tuple[Tensor, ...]:
         """Verify and accept with the per-row sampling rules."""
-        logits, *aux = self._verify(tree, n)
+        logits, *aux = self._verify(self._verify_inputs(tree, n))
         if self.all_greedy:
             res = greedy_accept(tree.tokens, tree.parents, logits, max_depth=self.spec.steps)
         else:  # rows at temperature 0 get one-hot probabilities: greedy acceptance for them
