@@ -6,10 +6,12 @@ round runs the policy, the readiness checks, the backlog and the drafter's catch
     python benchmarks/h200_adaptive_overhead.py --out benchmarks/results/h200_adaptive_overhead.json
 
 On the H200 the adaptive arm's plain rounds read 2.51 ms against 1.99 ms per plain step at
-batch 64 (results/h200_batch_16_64_median.json). Per arm this prints: wall ms per step (the
-catch-ups included), the policy's round clock (adaptive), and from torch.profiler over
---profile-steps steps the kernels and their time per step, so the gap splits into device work
-and host work. One JSON line; --out keeps it.
+batch 64 (results/h200_batch_16_64_median.json). A third arm, `adaptive_bare`, runs the adaptive
+session's plain rounds without the policy's work (no rates, no readiness questions). Per arm this
+prints: wall ms per step (the catch-ups included), the policy's round clock (adaptive), host
+microseconds per step in the session's and policy's methods (HOST_PARTS), and from
+torch.profiler over --profile-steps steps the kernels and their time per step, so the gap splits
+into device work and host work. One JSON line; --out keeps it.
 """
 
 from __future__ import annotations
@@ -43,6 +45,53 @@ class PlainOnly(AdaptivePolicy):
         return PLAIN
 
 
+class Bare(AdaptivePolicy):
+    """Plain decoding without the policy's work (no rates, no readiness questions): what the
+    adaptive session's plain round costs by itself."""
+
+    def choose(self, batch, ready=None):
+        self.round += 1
+        return PLAIN
+
+
+# Host-side parts of a step, timed by wrapping these methods (launches are asynchronous, so a
+# part's time is host work; the round's one host sync is outside them, in its .tolist()).
+# Nested parts count in each (choose calls _captured).
+HOST_PARTS = {"session": ("run_step", "sample_next", "_emit", "_captured", "_catch_up", "_set_spans"),
+              "policy": ("choose", "observe")}
+
+
+def host_parts(session, steps: int) -> dict:
+    """Microseconds per step spent in each of HOST_PARTS over `steps` steps (methods present)."""
+    spent: Counter = Counter()
+
+    def timed(obj, name: str, label: str) -> None:
+        fn = getattr(obj, name)
+
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[label] += time.perf_counter() - t
+        setattr(obj, name, wrapper)
+
+    owners = {"session": session, "policy": getattr(session, "policy", None)}
+    for owner, names in HOST_PARTS.items():
+        for name in names:
+            if owners[owner] is not None and hasattr(owners[owner], name):
+                timed(owners[owner], name, f"{owner}.{name}")
+    start = time.perf_counter()
+    for _ in range(steps):
+        session.step()
+    total = time.perf_counter() - start
+    for owner, names in HOST_PARTS.items():  # unwrap: the instance attributes go
+        for name in names:
+            if owners[owner] is not None and name in vars(owners[owner]):
+                delattr(owners[owner], name)
+    return {"wall_us_per_step": total / steps * 1e6} | {k: v / steps * 1e6 for k, v in sorted(spent.items())}
+
+
 def kernel_profile(session, steps: int, device: torch.device) -> dict:
     """Kernels of `steps` session steps: count and device microseconds per step, top 8."""
     from torch.profiler import ProfilerActivity, profile
@@ -67,7 +116,7 @@ def kernel_profile(session, steps: int, device: torch.device) -> dict:
 
 def run_arm(session, prompts: list[list[int]], steps: int, warmup: int, profile_steps: int,
             device: torch.device) -> dict:
-    rules = StopRules(max_new_tokens=warmup + steps + profile_steps + 8)
+    rules = StopRules(max_new_tokens=warmup + steps + 2 * profile_steps + 8)
     session.add([Request(i, p, rules, SamplingParams(temperature=0.0)) for i, p in enumerate(prompts)])
     for _ in range(warmup):  # captures every graph the timed steps replay (spans included)
         session.step()
@@ -83,6 +132,7 @@ def run_arm(session, prompts: list[list[int]], steps: int, warmup: int, profile_
     if policy is not None:
         plain = [r for r in policy.summary() if r["arm"] == "plain" and r["round_ms"] is not None]
         out["policy_plain_round_ms"] = plain[-1]["round_ms"] if plain else None
+    out["host_us_per_step"] = host_parts(session, profile_steps)
     out |= kernel_profile(session, profile_steps, device)
     return out
 
@@ -106,17 +156,21 @@ def main() -> None:
     tok = load_tokenizer(target_dir)
     texts = load_prompt_set("mt-bench")
     prompts = [encode_prompt(tok, texts[i % len(texts)], chat=True) for i in range(args.batch)]
-    max_len = max(map(len, prompts)) + args.warmup + args.steps + args.profile_steps + 16
+    max_len = max(map(len, prompts)) + args.warmup + args.steps + 2 * args.profile_steps + 16
     arms = {
         "plain": run_arm(PlainSession(target, max_len), prompts, args.steps, args.warmup, args.profile_steps, device),
         "adaptive_plain": run_arm(SpecSession(target, drafter, None, max_len, policy=PlainOnly(ARMS)), prompts,
                                   args.steps, args.warmup, args.profile_steps, device),
+        "adaptive_bare": run_arm(SpecSession(target, drafter, None, max_len, policy=Bare(ARMS)), prompts,
+                                 args.steps, args.warmup, args.profile_steps, device),
     }
-    ratio = arms["adaptive_plain"]["wall_ms_per_step_median"] / arms["plain"]["wall_ms_per_step_median"]
+    plain_ms = arms["plain"]["wall_ms_per_step_median"]
+    ratios = {f"{name}_over_plain_step": arm["wall_ms_per_step_median"] / plain_ms
+              for name, arm in arms.items() if name != "plain"}
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."), "batch": args.batch,
               "steps": args.steps, "date": time.strftime("%Y-%m-%d"), "arms": arms,
-              "adaptive_plain_over_plain_step": ratio}
+              **ratios}
     write_results(args.out, result)
     print(json.dumps(result))
 

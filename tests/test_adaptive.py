@@ -362,7 +362,12 @@ def test_session_knows_which_graphs_a_round_would_capture(pair, monkeypatch):
     from draftsman.session import Request
 
     used, asked = [], []
-    monkeypatch.setattr(GraphTable, "run", lambda self, key, fn, inputs: used.append(key) or fn(**inputs))
+
+    def run(self, key, fn, inputs):  # every key "captures" (has() says none is captured)
+        used.append(key)
+        self.captures += 1
+        return fn(**inputs)
+    monkeypatch.setattr(GraphTable, "run", run)
     monkeypatch.setattr(GraphTable, "has", lambda self, key: asked.append(key) or False)
     target, drafter = pair
     schedule = [CHAIN, CHAIN, None, None, CHAIN, None, CHAIN]
@@ -383,13 +388,13 @@ def test_session_knows_which_graphs_a_round_would_capture(pair, monkeypatch):
 
 
 def test_session_remembers_captured_shapes_until_the_tables_capture(pair, monkeypatch):
-    """_captured asks the graph tables once per shape while they capture nothing new; after a
-    capture (which may evict a graph) it asks again."""
+    """_captured asks the graph tables once per shape while they capture nothing new, whatever
+    they answered; after a capture (which may evict a graph) or a failed one, it asks again."""
     from draftsman.graphs import GraphTable
     from draftsman.session import Request
 
-    asked = []
-    monkeypatch.setattr(GraphTable, "has", lambda self, key: asked.append(key) or True)
+    asked, captured = [], {"answer": True}
+    monkeypatch.setattr(GraphTable, "has", lambda self, key: asked.append(key) or captured["answer"])
     target, drafter = pair
     session = SpecSession(target, drafter, None, 120, policy=Scripted([CHAIN]))
     session.static = session.pad = session.graphed = True
@@ -403,6 +408,16 @@ def test_session_remembers_captured_shapes_until_the_tables_capture(pair, monkey
         assert session._captured(CHAIN) and len(asked) > n
     finally:
         graph_table(target).captures -= 1
+    # "not captured" is remembered too: an arm not captured here was asked about every round
+    captured["answer"] = False
+    graph_table(drafter).failed["x"] = "a failed capture"  # (also a change of the tables)
+    try:
+        assert not session._captured(CHAIN)
+        n = len(asked)
+        assert not session._captured(CHAIN) and len(asked) == n
+    finally:
+        del graph_table(drafter).failed["x"]
+    assert not session._captured(CHAIN) and len(asked) > n  # (the tables changed again)
 
 
 def test_the_drafter_catch_up_is_not_timed_as_the_arm_s_round(pair, monkeypatch):
@@ -496,6 +511,34 @@ def test_catch_up_leaves_the_drafter_as_a_fresh_prefill_would(pair, plain_rounds
     assert fresh.rows[0].state.tokens == [root]
     torch.testing.assert_close(session.tensors["d_logits"], fresh.tensors["d_logits"], rtol=1e-4, atol=1e-4)
     assert not torch.allclose(stale, fresh.tensors["d_logits"], atol=1e-2)
+
+
+def test_catch_up_covers_rows_that_joined_during_the_plain_stretch(pair):
+    """A row joining after some plain rounds holds fewer backlog pairs than the rows before it
+    (its own start column): after the catch-up, every row's drafter state is a fresh prefill's."""
+    from draftsman.session import Request
+
+    target, drafter = pair
+    first, second = prompts()
+    session = SpecSession(target, drafter, None, 260, policy=Scripted([CHAIN] * 2 + [None] * 40))
+    reqs = [Request(0, first, StopRules(max_new_tokens=200), SamplingParams(temperature=0.0)),
+            Request(1, second, StopRules(max_new_tokens=200), SamplingParams(temperature=0.0))]
+    session.add(reqs[:1])
+    for _ in range(2 + 7):  # two chain rounds, then 7 plain rounds before the newcomer
+        session.step()
+    session.add(reqs[1:])
+    for _ in range(5):  # 5 more plain rounds: the newcomer has 5 pairs, the first row 12
+        session.step()
+    assert session.tensors["bk_start"].tolist() == [0, 7] and session._plain_run == 12
+    with torch.no_grad():  # (as in a round: the caches' views were made without grad)
+        session._catch_up()
+    for i, req in enumerate(reqs):
+        *committed, root = req.prompt + req.state.tokens
+        fresh = SpecSession(target, drafter, CHAIN, 260)
+        fresh.add([Request(9, committed, StopRules(max_new_tokens=5), SamplingParams(temperature=0.0))])
+        assert fresh.rows[0].state.tokens == [root]
+        torch.testing.assert_close(session.tensors["d_logits"][i], fresh.tensors["d_logits"][0], rtol=1e-4,
+                                   atol=1e-4)
 
 
 @pytest.mark.parametrize("schedule", [[None, TREE], [TREE, None, CHAIN]], ids=["plain-then-tree", "tree-plain-chain"])

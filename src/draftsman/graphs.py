@@ -86,6 +86,11 @@ def captures(*modules: torch.nn.Module | None) -> int:
     return sum(graph_table(m).captures for m in modules if m is not None)
 
 
+def failures(*modules: torch.nn.Module | None) -> int:
+    """Steps whose capture failed so far for these modules' tables (they run eagerly)."""
+    return sum(len(graph_table(m).failed) for m in modules if m is not None)
+
+
 def graphs_enabled(device: torch.device) -> bool:
     """CUDA graphs on CUDA devices unless DRAFTSMAN_CUDA_GRAPHS=0 (eager, for debugging)."""
     return device.type == "cuda" and os.environ.get("DRAFTSMAN_CUDA_GRAPHS", "1") != "0"

@@ -106,6 +106,7 @@ class DecodeSession(abc.ABC):
         # adaptive policy weighs): computed once per change of the rows or their tokens.
         self._changes = 0
         self._longest: tuple[int, int] = (-1, 0)  # (_changes when computed, length)
+        self._greedy: tuple[int, bool] = (-1, True)  # (_changes when computed, all_greedy)
 
     # ---- public ------------------------------------------------------------------------
     @property
@@ -229,7 +230,10 @@ class DecodeSession(abc.ABC):
 
     @property
     def all_greedy(self) -> bool:
-        return all(r.params.temperature == 0 for r in self.rows)
+        """Whether every running row decodes at temperature 0 (asked several times a round)."""
+        if self._greedy[0] != self._changes:
+            self._greedy = (self._changes, all(r.params.temperature == 0 for r in self.rows))
+        return self._greedy[1]
 
     def sample_next(self, logits: Tensor, sampling: dict[str, Tensor], greedy: bool) -> Tensor:
         """logits [B, V] -> tokens [B], each row with its own temperature/top-k/top-p."""

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from draftsman.generate import GenerationOutput, StopRules
-from draftsman.graphs import captures, compiled, pow2_ceil
+from draftsman.graphs import captures, compiled, failures, pow2_ceil
 from draftsman.kvcache import StaticCache
 from draftsman.models.base import TargetModel
 from draftsman.models.layers import slot_mask
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 BACKLOG = 64
 # Per-row state a speculation round and a plain round (adaptive sessions) read and replace.
 ROUND_STATE = ("n", "root", "d_logits", "d_hidden")
-PLAIN_STATE = ("n", "root", "bk_tokens", "bk_feats", "bk_count")
+PLAIN_STATE = ("n", "root")
 
 
 @dataclass(frozen=True)
@@ -96,8 +96,8 @@ class SpecSession(DecodeSession):
         # Shapes known to replay captured graphs (_captured's question to the graph tables builds
         # keys over every cache buffer, host time each round): valid until the tables capture
         # again (a capture may evict).
-        self._ready: set = set()
-        self._ready_captures = -1
+        self._ready: dict[tuple, bool] = {}
+        self._ready_captures: tuple[int, int] = (-1, -1)
 
     # ---- prefill ------------------------------------------------------------------------
     def _prefill(self, ids, lengths, sampling):
@@ -133,9 +133,10 @@ class SpecSession(DecodeSession):
             d_logits, d_hidden = self._extend(d_cache, shifted, feats, positions, lengths - 1, prefill=True)
         state = {"n": lengths.clone(), "root": first, "d_logits": d_logits, "d_hidden": d_hidden, **sampling}
         if self.policy is not None:  # (token, feature) pairs of plain rounds, for the drafter
+            # (columns: plain rounds since the last catch-up; newcomers' pairs start at this one)
             state |= {"bk_tokens": torch.zeros(b, BACKLOG, dtype=torch.long, device=ids.device),
                       "bk_feats": feats.new_zeros(b, BACKLOG, feats.shape[-1]),
-                      "bk_count": torch.zeros(b, dtype=torch.long, device=ids.device)}
+                      "bk_start": torch.full((b,), self._plain_run, dtype=torch.long, device=ids.device)}
         return [t_cache, d_cache], state, first
 
     def _extend(self, d_cache: StaticCache, tokens: Tensor, aux: list[Tensor] | Tensor, positions: Tensor,
@@ -240,22 +241,22 @@ class SpecSession(DecodeSession):
         # (the caches' allocations: graphs are captured over their buffers)
         shape = (arm, pow2_ceil(len(self.rows)), t_span, d_span, due,
                  tuple((next(iter(c.buffers.values())).data_ptr(), c.capacity) for c in self.caches))
-        made = captures(self.target, self.drafter)
+        # Answers hold until the graph tables change (a capture, which may also evict, or a
+        # failed capture): asking again builds keys over every cache buffer, and an arm not
+        # captured here was asked every round (~0.1 ms a round at batch 64 on the H200 host).
+        made = (captures(self.target, self.drafter), failures(self.target, self.drafter))
         if made != self._ready_captures:
-            self._ready, self._ready_captures = set(), made
-        if shape in self._ready:
-            return True
-        ready = self._ask_captured(arm, t_span, d_span, due)
-        if ready:
-            self._ready.add(shape)
-        return ready
+            self._ready, self._ready_captures = {}, made
+        if shape not in self._ready:
+            self._ready[shape] = self._ask_captured(arm, t_span, d_span, due)
+        return self._ready[shape]
 
     def _ask_captured(self, arm: SpecConfig | None, t_span: int | None, d_span: int | None, due: bool) -> bool:
         """_captured's question to the graph tables."""
         st = self.tensors
         if due:  # the catch-up forward runs first, with these shapes
             inputs = {"tokens": st["bk_tokens"], "feats": st["bk_feats"], "positions": st["bk_tokens"],
-                      "last": st["bk_count"]}
+                      "last": st["bk_start"]}
             if not self.captured(self.drafter, self._extend_key(d_span), self.caches[1:], **inputs):
                 return False
         if arm is None:
@@ -310,55 +311,53 @@ class SpecSession(DecodeSession):
         """One target forward over the root, as plain decoding does; the (token, feature) pair
         it yields goes to the backlog instead of the drafter, so the round costs what a plain
         step costs (the drafter catches up in one forward when speculation resumes). Greedy
-        rounds with static shapes run as one graph, as a plain session's step does."""
+        rounds with static shapes run as one graph, as a plain session's step does. The backlog
+        stays out of the graph: column `_plain_run` of every row is written in place (two small
+        writes), where shifting and returning whole backlogs cost ~10 more launches a round."""
         st = self.tensors
         state = {k: st[k] for k in PLAIN_STATE}
         if self.static and self.all_greedy:
             key = self._plain_key(self._t_span)
-            out = self.run_step(self.target, key, self._greedy_plain, [self.caches[0]], **state)
-            new = [x.clone() for x in out]  # (graph outputs: see _spec_round)
+            nxt, feats = self.run_step(self.target, key, self._greedy_plain, [self.caches[0]], **state)
         else:
-            new = self._plain_step(**state, sample=lambda logits: self.sample_next(logits, st, self.all_greedy))
-        nxt = new[1]
-        for k, v in zip(PLAIN_STATE, new, strict=True):
-            st[k] = v
+            nxt, feats = self._plain_step(**state, sample=lambda logits: self.sample_next(logits, st, self.all_greedy))
+        col = self._plain_run
+        st["bk_tokens"][:, col] = nxt
+        st["bk_feats"][:, col] = feats
+        st["n"], st["root"] = st["n"] + 1, nxt.clone()  # (a graph output: see _spec_round)
         self._plain_run += 1
         # Not counted in the requests' acceptance statistics: they describe speculative rounds.
         return self._emit(range(len(self.rows)), [[t] for t in nxt.tolist()]), [0] * len(self.rows)
 
-    def _greedy_plain(self, **state: Tensor) -> tuple[Tensor, ...]:
-        return self._plain_step(**state, sample=greedy_argmax, graph=False)
+    def _greedy_plain(self, n: Tensor, root: Tensor) -> tuple[Tensor, Tensor]:
+        return self._plain_step(n, root, sample=greedy_argmax, graph=False)
 
-    def _plain_step(self, n: Tensor, root: Tensor, bk_tokens: Tensor, bk_feats: Tensor, bk_count: Tensor,
-                    sample, graph: bool = True) -> tuple[Tensor, ...]:
-        """The plain round's device work: (new n, next token, backlog tokens, features, count)."""
+    def _plain_step(self, n: Tensor, root: Tensor, sample, graph: bool = True) -> tuple[Tensor, Tensor]:
+        """The plain round's device work: (next token [B], its features for the drafter [B, F])."""
         # The root alone, written at slot n, seeing slots 0..n: a decode step's mask, without the
         # tree's ancestor mask (fewer kernels in a round that should cost what a plain step does).
         pos = n[:, None]
         inputs = {"tokens": root[:, None], "positions": pos, "slots": pos,
                   "mask": slot_mask(pos, self._t_span if self._t_span is not None else int(n.max()) + 1)}
         logits, *aux = self._verify(inputs) if graph else self._target_verify(**inputs)
-        nxt = sample(logits[:, 0])
-        feats = torch.cat(aux, -1).to(bk_feats.dtype)
-        return (n + 1, nxt, torch.cat([bk_tokens[:, 1:], nxt[:, None]], 1), torch.cat([bk_feats[:, 1:], feats], 1),
-                (bk_count + 1).clamp(max=BACKLOG))
+        return sample(logits[:, 0]), torch.cat(aux, -1)[:, 0]
 
     def _catch_up(self) -> None:
-        """Extend the drafter over the backlog's pairs (right-aligned: the last one sits at
-        position n-1). Missing entries (rows with fewer pairs) are written past n, into scratch
-        slots drafting overwrites. It runs before the backlog overflows (_catch_up_due), so
-        every committed pair reaches the drafter."""
+        """Extend the drafter over the backlog's pairs: columns [bk_start, _plain_run) of a row,
+        the last at position n-1. Columns outside (rows that joined during the plain stretch,
+        and the unused tail) are written past n, into scratch slots drafting overwrites. It runs
+        before the backlog overflows (_catch_up_due), so every committed pair reaches the drafter."""
         st = self.tensors
-        n, count = st["n"], st["bk_count"]
+        n, start, used = st["n"], st["bk_start"], self._plain_run
         j = torch.arange(BACKLOG, device=n.device)
-        valid = j[None, :] >= (BACKLOG - count)[:, None]
-        positions = torch.where(valid, n[:, None] - BACKLOG + j, n[:, None] + j)
+        valid = (j[None, :] >= start[:, None]) & (j[None, :] < used)
+        positions = torch.where(valid, n[:, None] - used + j, n[:, None] + j)
         d_logits, d_hidden = self._extend(self.caches[1], st["bk_tokens"], st["bk_feats"], positions,
-                                          torch.full_like(n, BACKLOG - 1))
-        has = (count > 0)[:, None]
+                                          torch.full_like(n, used - 1))
+        has = (start < used)[:, None]
         st["d_logits"] = torch.where(has, d_logits, st["d_logits"])
         st["d_hidden"] = torch.where(has, d_hidden, st["d_hidden"])
-        st["bk_count"] = torch.zeros_like(count)
+        st["bk_start"] = torch.zeros_like(start)
         self._plain_run = 0
 
     def _greedy_round(self, n: Tensor, root: Tensor, d_logits: Tensor, d_hidden: Tensor) -> tuple[Tensor, ...]:
