@@ -457,6 +457,143 @@ def test_decode_attention_matches_sdpa_on_cuda(b, s):
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
 
+TREE_ATTENTION_INTERPRETED = """
+import torch
+from draftsman.kernels.attention import decode_attention
+from draftsman.models.layers import attention
+g = torch.Generator().manual_seed(0)
+
+
+def tree_mask(b, t, prefix, s):
+    # each token sees the prefix, itself and a random subset of the earlier tree tokens (its
+    # ancestors, say); slots past prefix + t are never visible; token 1 of row 0 sees nothing
+    tree = torch.rand(b, t, t, generator=g) < 0.4
+    tree = (tree.tril(-1) | torch.eye(t, dtype=torch.bool)).expand(b, t, t)
+    mask = torch.zeros(b, t, s, dtype=torch.bool)
+    mask[..., :prefix] = True
+    mask[..., prefix : prefix + t] = tree
+    if t > 1:
+        mask[0, 1] = False
+    return mask
+
+
+def check(got, q, k, v, mask, scale, rope=None):
+    want = torch.nan_to_num(attention(q, k, v, mask, scale, rope=rope))  # PyTorch's path on CPU
+    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, want.shape)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+# (b, h, hkv, d, dv, t, prefix, splits, block_t): GQA, MHA, 3 heads per KV head (rows not a
+# power of two), 1 to 64 tokens, default and small token blocks (one token: the decode path's
+# single mask row; a ragged last block)
+for b, h, hkv, d, dv, t, prefix, splits, block_t in (
+        (2, 8, 2, 16, 16, 1, 30, None, None), (2, 8, 2, 16, 32, 3, 30, 2, 1), (1, 8, 2, 32, 16, 16, 21, None, 3),
+        (1, 8, 2, 16, 16, 64, 40, None, None), (2, 4, 4, 16, 16, 16, 12, 1, None), (1, 4, 4, 16, 16, 64, 9, 3, 20),
+        (1, 6, 2, 16, 16, 16, 33, None, None)):
+    s = prefix + t + 7  # slots past the tree: allocated, never visible
+    q = torch.randn(b, t, h, d, generator=g)
+    k, v = torch.randn(b, s + 5, hkv, d, generator=g)[:, :s], torch.randn(b, s, hkv, dv, generator=g)
+    mask = tree_mask(b, t, prefix, s)
+    check(decode_attention(q, k, v, mask, d ** -0.5, block_s=16, splits=splits, block_t=block_t), q, k, v, mask,
+          d ** -0.5)
+    # values are the keys; one mask for every row (broadcast)
+    check(decode_attention(q, k, None, mask[:1], 0.2, block_s=16, splits=splits, block_t=block_t), q, k, k,
+          mask[:1].expand(b, t, s), 0.2)
+# MLA's absorbed form (values are the keys, a rope part), also with the fused value projection;
+# one token per program, as 512-wide latents get on the GPU
+for b, h, d, dr, t, prefix, splits, block_t in ((1, 4, 32, 16, 5, 20, None, None), (2, 16, 16, 16, 16, 9, 2, 1)):
+    s = prefix + t
+    q, qr = torch.randn(b, t, h, d, generator=g), torch.randn(b, t, h, dr, generator=g)
+    latent = torch.randn(b, s, 1, d + dr, generator=g)  # a cache row [c_kv | k_pe], read as two views
+    kv, kr = latent[..., :d], latent[..., d:]
+    mask = tree_mask(b, t, prefix, s)
+    got = decode_attention(q, kv, None, mask, 0.1, block_s=16, splits=splits, rope=(qr, kr), block_t=block_t)
+    check(got, q, kv, None, mask, 0.1, rope=(qr, kr))
+    want = torch.nan_to_num(attention(torch.cat((q, qr), -1), latent, kv, mask, 0.1))
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)  # ... as attention over the concatenation
+    w_uv = torch.randn(h, 2 * 20, d, generator=g)[:, ::2]  # [heads, 20, d], a strided view (ragged N)
+    got = decode_attention(q, kv, None, mask, 0.1, block_s=16, splits=splits, rope=(qr, kr), out_proj=w_uv,
+                           block_t=block_t)
+    torch.testing.assert_close(got, torch.einsum("bthr,hvr->bthv", want, w_uv), rtol=2e-5, atol=2e-5)
+print("ok")
+"""
+
+
+def test_tree_attention_matches_attention_interpreted():
+    """Several query tokens per row (1 to 64), each with its own tree mask (the prefix, itself, a
+    random subset of the earlier tree slots; one token that sees nothing): grouped heads (2 and 3
+    per KV head) and one per KV head, Dv != D, strided K, default and ragged token blocks, splits;
+    values that are the keys, a mask broadcast over rows; MLA's rope pair, with and without the
+    fused value projection. Against attention()'s PyTorch path in fp32."""
+    proc = subprocess.run([sys.executable, "-c", TREE_ATTENTION_INTERPRETED], capture_output=True, text=True,
+                          timeout=600, env=os.environ | {"TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def _tree_inputs(t: int, s: int, seed: int = 0):
+    """Llama-3.1-8B's attention (32 query heads, 8 KV heads, dim 128) in bf16 on CUDA: t draft
+    tokens at slots s - t .. s - 1 of a longer cache buffer, each seeing the prefix, itself and
+    a random subset of the earlier tree tokens."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cache = torch.randn(2, 1, s + 64, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = cache[0, :, :s], cache[1, :, :s]
+    q = torch.randn(1, t, 32, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    tree = torch.rand(t, t, device="cuda", generator=g) < 0.3
+    tree = tree.tril(-1) | torch.eye(t, dtype=torch.bool, device="cuda")
+    mask = torch.ones(1, t, s, dtype=torch.bool, device="cuda")
+    mask[0, :, s - t :] = tree
+    return q, k, v, mask
+
+
+def _sdpa_fp32(q, k, v, mask, scale):
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2), attn_mask=mask[:, None],
+        scale=scale, enable_gqa=True).transpose(1, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("t,s", [(1, 300), (16, 700), (64, 2048), (64, 333)])
+def test_tree_attention_matches_sdpa_on_cuda(t, s):
+    """bf16 draft-tree verification at Llama-3.1-8B's heads against SDPA's math in fp32."""
+    from draftsman.kernels.attention import decode_attention
+
+    q, k, v, mask = _tree_inputs(t, s)
+    got = decode_attention(q, k, v, mask, 128 ** -0.5)
+    assert got.dtype == torch.bfloat16 and got.shape == (1, t, 32, 128)
+    torch.testing.assert_close(got.float(), _sdpa_fp32(q, k, v, mask, 128 ** -0.5), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_attention_routes_trees_to_the_kernel_on_cuda(monkeypatch):
+    """layers.attention sends a 64-token inference verify to the kernel (also inside
+    torch.compile, as the compiled steps call it) and longer or differentiable calls to SDPA."""
+    import draftsman.kernels.attention as kernel
+    from draftsman.models import layers
+
+    calls = []
+    real = kernel.decode_attention
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernel, "decode_attention", spy)
+    q, k, v, mask = _tree_inputs(64, 1000)
+    want = _sdpa_fp32(q, k, v, mask, 128 ** -0.5)
+    with torch.no_grad():
+        assert layers.decode_kernel_applies(q, k, v)
+        got = layers.attention(q, k, v, mask, 128 ** -0.5)
+        assert calls == [64]
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+        compiled = torch.compile(layers.attention, fullgraph=True)(q, k, v, mask, 128 ** -0.5)
+        torch.testing.assert_close(compiled.float(), want, rtol=2e-2, atol=2e-2)
+        prefill = torch.zeros(1, layers.DECODE_ATTENTION_MAX_T + 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+        assert not layers.decode_kernel_applies(prefill, k, v)  # SDPA's flash kernels
+    assert not layers.decode_kernel_applies(q.requires_grad_(), k, v)
+
+
 FUSED_LAYERS_INTERPRETED = """
 import sys
 import torch

@@ -1,11 +1,14 @@
-"""Decode attention: one query token per row over the KV cache, grouped-query heads.
+"""Decode attention: a few query tokens per row over the KV cache, grouped-query heads.
 
 Under torch.compile, SDPA with a mask and grouped heads lowers to expanding K and V to every
-query head in fp32 and two fp32 GEMVs per layer, about 16 us per layer on the H200 at a few
-hundred slots (half a millisecond per 8B step). Here each program reads its share of one KV
-head's slots once, for all the query heads that share it (flash-decoding: slots split across
-programs, each keeping an online softmax), and a small combine weighs the splits by their
-maxima and normalizers.
+query head in fp32 and two fp32 GEMMs per layer: about 16 us per layer on the H200 for one
+token at a few hundred slots (half a millisecond per 8B step), and ~2.3 ms of an 8.6 ms round
+when verifying a 64-token draft tree. Here each program reads its share of one KV head's slots
+once for all the query rows that share it (flash-decoding: slots split across programs, each
+keeping an online softmax), and a small combine weighs the splits by their maxima and
+normalizers. The tile's rows are (token, query head of the group) pairs: one token's G heads in
+a decode step, a block of tokens of a verified tree otherwise (programs over row, KV head, block
+of tokens and split of slots), each row masked by its own token's mask row.
 
 Multi-head latent attention (DeepSeek) attends in the absorbed form with one KV head that is
 [latent | rope] wide (576: not a power of two) and whose values are the latent itself: the
@@ -24,42 +27,51 @@ SM_TARGET = 128  # programs to aim for (about one per SM on an H100/H200)
 
 
 @triton.jit
-def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, acc_ptr, stat_ptr, qr_ptr, kr_ptr, S, scale,
-                             stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                             stride_mb, stride_qrb, stride_qrh, stride_krb, stride_krs, stride_krh,
-                             HKV: tl.constexpr, SPLITS: tl.constexpr, G: tl.constexpr,
-                             G_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
+def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, acc_ptr, stat_ptr, qr_ptr, kr_ptr, T, TB, S, scale,
+                             stride_qb, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+                             stride_vb, stride_vs, stride_vh, stride_mb, stride_mt, stride_ms,
+                             stride_qrb, stride_qrt, stride_qrh, stride_krb, stride_krs, stride_krh,
+                             HKV: tl.constexpr, SPLITS: tl.constexpr, G: tl.constexpr, BLOCK_T: tl.constexpr,
+                             BLOCK_M: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
                              V_IS_K: tl.constexpr, BLOCK_S: tl.constexpr, S_LEN: tl.constexpr, PRECISION: tl.constexpr):
-    pid = tl.program_id(0)  # (batch row, kv head)
+    pid = tl.program_id(0)  # (batch row, kv head, block of tokens)
     split = tl.program_id(1)
-    b = pid // HKV
-    hk = pid % HKV
-    g = tl.arange(0, G_PAD)
+    b = pid // (HKV * TB)
+    hk = (pid // TB) % HKV
+    r = tl.arange(0, BLOCK_M)  # tile row = (token in the block, query head in the group)
+    t = (pid % TB) * BLOCK_T + r // G
+    head = hk * G + r % G
+    row_ok = (r < BLOCK_T * G) & (t < T)  # padding rows: nothing visible, zeros
     d = tl.arange(0, D)
     dv = tl.arange(0, DV)
-    q = tl.load(q_ptr + b * stride_qb + (hk * G + g)[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None],
-                other=0.0)
+    q = tl.load(q_ptr + b * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
     if DR > 0:  # the rope part's queries (MLA)
         dr = tl.arange(0, DR)
-        qr = tl.load(qr_ptr + b * stride_qrb + (hk * G + g)[:, None] * stride_qrh + dr[None, :],
-                     mask=(g < G)[:, None], other=0.0)
-    m_i = tl.full((G_PAD,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((G_PAD,), dtype=tl.float32)
-    acc = tl.zeros((G_PAD, DV), dtype=tl.float32)
+        qr = tl.load(qr_ptr + b * stride_qrb + t[:, None] * stride_qrt + head[:, None] * stride_qrh + dr[None, :],
+                     mask=row_ok[:, None], other=0.0)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, DV), dtype=tl.float32)
+    m_row = m_ptr + b * stride_mb + t[:, None] * stride_mt  # each row's own token's mask row
+    m_row0 = m_ptr + b * stride_mb + (pid % TB) * stride_mt
     for s0 in range(0, S_LEN, BLOCK_S):
         s = split * S_LEN + s0 + tl.arange(0, BLOCK_S)
         s_ok = s < S
         k = tl.load(k_ptr + b * stride_kb + s[:, None] * stride_ks + hk * stride_kh + d[None, :],
                     mask=s_ok[:, None], other=0.0)
-        # [G_PAD, BLOCK_S] fp32 (scale arrives as fp64 from torch.compile: cast, or the loop state widens)
+        # [BLOCK_M, BLOCK_S] fp32 (scale arrives as fp64 from torch.compile: cast, or the loop state widens)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if DR > 0:
             kr = tl.load(kr_ptr + b * stride_krb + s[:, None] * stride_krs + hk * stride_krh + dr[None, :],
                          mask=s_ok[:, None], other=0.0)
             qk = tl.dot(qr, tl.trans(kr), qk, input_precision=PRECISION)
         scores = (qk * scale).to(tl.float32)
-        visible = tl.load(m_ptr + b * stride_mb + s, mask=s_ok, other=0) != 0
-        scores = tl.where(visible[None, :], scores, float("-inf"))
+        if BLOCK_T == 1:  # decode: one mask row for the whole tile (padding rows are dropped later)
+            visible = (tl.load(m_row0 + s * stride_ms, mask=s_ok, other=0) != 0)[None, :]
+        else:
+            visible = tl.load(m_row + s[None, :] * stride_ms, mask=row_ok[:, None] & s_ok[None, :], other=0) != 0
+        scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
         alpha = tl.exp(m_i - m_safe)
@@ -72,49 +84,61 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, acc_ptr, stat_ptr, qr_p
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    # Partials of this split: acc [B, HKV, SPLITS, G_PAD, DV], (max, normalizer) [..., G_PAD, 2].
-    row = (pid * SPLITS + split) * G_PAD + g
+    # Partials of this split: acc [B, HKV, TB, SPLITS, BLOCK_M, DV], (max, normalizer) [..., BLOCK_M, 2].
+    row = (pid * SPLITS + split) * BLOCK_M + r
     tl.store(acc_ptr + row[:, None] * DV + dv[None, :], acc)
     tl.store(stat_ptr + row * 2, m_i)
     tl.store(stat_ptr + row * 2 + 1, l_i)
 
 
 def fits(q: Tensor, k: Tensor, v: Tensor | None, rope: tuple[Tensor, Tensor] | None = None) -> bool:
-    """Shapes the kernel serves: one query token, head dims (and the rope part's) powers of two
-    >= 16, H a multiple of Hkv, at most 16 query heads per KV head."""
+    """Shapes the kernel serves: at least one query token (any number: the callers bound it), head
+    dims (and the rope part's) powers of two >= 16, H a multiple of Hkv, at most 16 query heads
+    per KV head. out_proj is served for any T too."""
     _, t, h, d = q.shape
     hkv, dv = k.shape[2], (k if v is None else v).shape[-1]
     dims = (d, dv) if rope is None else (d, dv, rope[0].shape[-1])
     pow2 = all(x >= 16 and x & (x - 1) == 0 for x in dims)
-    return t == 1 and pow2 and h % hkv == 0 and h // hkv <= 16
+    return t >= 1 and pow2 and h % hkv == 0 and h // hkv <= 16
 
 
 def _last_dim_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def tile_rows(d: int, dv: int) -> int:
+    """Most tile rows ((token, head) pairs) per program: the fp32 accumulator is rows x Dv and
+    the query tile rows x D, so wide heads (MLA's 512-wide latent) get fewer rows."""
+    wide = max(d, dv)
+    return 64 if wide <= 128 else 32 if wide <= 256 else 16
+
+
 def decode_attention(q: Tensor, k: Tensor, v: Tensor | None, mask: Tensor, scale: float,
                      block_s: int | None = None, splits: int | None = None,
-                     rope: tuple[Tensor, Tensor] | None = None, out_proj: Tensor | None = None) -> Tensor:
-    """q [B, 1, H, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv], mask [B, 1, S] bool (True = may
-    attend) -> [B, 1, H, Dv] in q's dtype, as layers.attention (a row that sees no slot gets
-    zeros). Query head h reads KV head h // (H / Hkv). v None: the values are the keys (MLA's
-    latent), read once. rope (q_rope [B, 1, H, Dr], k_rope
+                     rope: tuple[Tensor, Tensor] | None = None, out_proj: Tensor | None = None,
+                     block_t: int | None = None) -> Tensor:
+    """q [B, T, H, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv], mask [B, T, S] bool (True = may
+    attend; size-1 dims broadcast) -> [B, T, H, Dv] in q's dtype, as layers.attention (a query
+    row that sees no slot gets zeros). T = 1 is a decode step, T > 1 a verified draft tree, each
+    token with its own mask row. Query head h reads KV head h // (H / Hkv). v None: the values
+    are the keys (MLA's latent), read once. rope (q_rope [B, T, H, Dr], k_rope
     [B, S, Hkv, Dr]): scores of this second pair add to q.k (attention over the concatenated
-    heads). splits: programs per (row, KV head) along the slots (default: enough for about
-    SM_TARGET programs); block_s: slots per iteration (default 64, 32 for heads over 256 wide).
-    out_proj [H, N, Dv] (any strides, last dim contiguous; MLA's absorbed value projection): the
-    result is instead [B, 1, H, N] = per head out_proj[h] @ (the attention output rounded to q's
-    dtype), merged with the split combine in one kernel (combine_project)."""
+    heads). Programs run over (row, KV head, block of block_t tokens) x splits along the slots.
+    splits: default enough for about SM_TARGET programs; block_s: slots per iteration (default
+    64, 32 for heads over 256 wide); block_t: tokens per program (default: as many as fill
+    tile_rows with their G heads each). out_proj [H, N, Dv] (any strides, last dim contiguous;
+    MLA's absorbed value projection): the result is instead [B, T, H, N] = per head
+    out_proj[h] @ (the attention output rounded to q's dtype), merged with the split combine in
+    one kernel (combine_project)."""
     v_is_k = v is None
     v = k if v is None else v
     if not fits(q, k, v, rope):
         raise ValueError(f"decode_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
                          f"{'' if rope is None else f', rope {tuple(rope[0].shape)}'} not served")
-    b, _, h, d = q.shape
+    b, t, h, d = q.shape
     s, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
-    if mask.shape != (b, 1, s):
-        raise ValueError(f"decode_attention: mask {tuple(mask.shape)} does not fit {(b, 1, s)}")
+    if mask.dim() != 3 or mask.shape[0] not in (1, b) or mask.shape[1] not in (1, t) or mask.shape[2] != s:
+        raise ValueError(f"decode_attention: mask {tuple(mask.shape)} does not fit {(b, t, s)}")
     if rope is not None and (rope[0].shape[:3] != q.shape[:3] or rope[1].shape[:3] != k.shape[:3]
                              or rope[0].shape[-1] != rope[1].shape[-1]):
         raise ValueError(f"decode_attention: rope {tuple(rope[0].shape)}, {tuple(rope[1].shape)} does not fit "
@@ -123,45 +147,58 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor | None, mask: Tensor, scale
     qr, kr = (q, k) if rope is None else (_last_dim_contiguous(rope[0]), _last_dim_contiguous(rope[1]))
     if block_s is None:
         block_s = 64 if d <= 256 else 32
-    mask = mask.to(torch.uint8)  # (a bool -> uint8 view does not lower under torch.compile)
+    mask = mask.expand(b, t, s).to(torch.uint8)  # (a bool -> uint8 view does not lower under torch.compile)
     g = h // hkv
-    g_pad = max(16, triton.next_power_of_2(g))  # tl.dot's smallest tile
+    if block_t is None:
+        block_t = max(1, tile_rows(d, dv) // triton.next_power_of_2(g))
+    block_t = min(block_t, t)
+    block_m = max(16, triton.next_power_of_2(block_t * g))  # tl.dot's smallest tile is 16
+    tb = triton.cdiv(t, block_t)
     blocks = triton.cdiv(s, block_s)
     if splits is None:
-        splits = max(1, min(blocks, triton.cdiv(SM_TARGET, b * hkv)))
+        splits = max(1, min(blocks, triton.cdiv(SM_TARGET, b * hkv * tb)))
     s_len = triton.cdiv(blocks, splits) * block_s
     splits = triton.cdiv(s, s_len)
-    acc = torch.empty(b, hkv, splits, g_pad, dv, dtype=torch.float32, device=q.device)
-    stat = torch.empty(b, hkv, splits, g_pad, 2, dtype=torch.float32, device=q.device)
+    acc = torch.empty(b, hkv, tb, splits, block_m, dv, dtype=torch.float32, device=q.device)
+    stat = torch.empty(b, hkv, tb, splits, block_m, 2, dtype=torch.float32, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # (bf16/fp16 dots ignore it)
-    _decode_attention_kernel[(b * hkv, splits)](
-        q, k, v, mask, acc, stat, qr, kr, s, scale, q.stride(0), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), mask.stride(0), qr.stride(0), qr.stride(2), kr.stride(0),
-        kr.stride(1), kr.stride(2), HKV=hkv, SPLITS=splits, G=g, G_PAD=g_pad, D=d, DV=dv,
-        DR=0 if rope is None else qr.shape[-1], V_IS_K=v_is_k, BLOCK_S=block_s, S_LEN=s_len, PRECISION=precision,
-        num_warps=4 if d <= 256 else 8)
+    _decode_attention_kernel[(b * hkv * tb, splits)](
+        q, k, v, mask, acc, stat, qr, kr, t, tb, s, scale, q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        mask.stride(0), mask.stride(1), mask.stride(2), qr.stride(0), qr.stride(1), qr.stride(2),
+        kr.stride(0), kr.stride(1), kr.stride(2), HKV=hkv, SPLITS=splits, G=g, BLOCK_T=block_t, BLOCK_M=block_m,
+        D=d, DV=dv, DR=0 if rope is None else qr.shape[-1], V_IS_K=v_is_k, BLOCK_S=block_s, S_LEN=s_len,
+        PRECISION=precision, num_warps=4 if d <= 256 else 8)
     if out_proj is not None:
-        return combine_project(acc, stat, out_proj, g, q.dtype).view(b, 1, h, -1)
-    return combine(acc[..., :g, :], stat[..., :g, 0], stat[..., :g, 1]).reshape(b, 1, h, dv).to(q.dtype)
+        return combine_project(acc, stat, out_proj, g, t, block_t, q.dtype)
+    rows = block_t * g
+    out = combine(acc.view(b, hkv * tb, splits, block_m, dv)[..., :rows, :],
+                  stat.view(b, hkv * tb, splits, block_m, 2)[..., :rows, 0],
+                  stat.view(b, hkv * tb, splits, block_m, 2)[..., :rows, 1])  # [B, Hkv * TB, rows, Dv]
+    out = out.view(b, hkv, tb * block_t, g, dv)[:, :, :t].transpose(1, 2)  # [B, T, Hkv, G, Dv]
+    return out.reshape(b, t, h, dv).to(q.dtype)
 
 
 @triton.jit
-def _combine_project_kernel(acc_ptr, stat_ptr, w_ptr, y_ptr, stride_wh, stride_wn, HKV: tl.constexpr,
-                            SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                            DV: tl.constexpr, N: tl.constexpr, BLOCK_N: tl.constexpr):
-    row = tl.program_id(0)  # (batch row, query head)
-    b, hq = row // (HKV * G), row % (HKV * G)
+def _combine_project_kernel(acc_ptr, stat_ptr, w_ptr, y_ptr, stride_wh, stride_wn, T, TB, HKV: tl.constexpr,
+                            SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, G: tl.constexpr,
+                            BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, DV: tl.constexpr, N: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
+    row = tl.program_id(0)  # (batch row, token, query head): y's row
+    bt, hq = row // (HKV * G), row % (HKV * G)
+    b, t = bt // T, bt % T
     hk, g = hq // G, hq % G
     sp = tl.arange(0, SPLITS_PAD)
     sp_ok = sp < SPLITS
-    base = (b * HKV + hk) * SPLITS + sp  # this head's partials: one per split
-    m = tl.load(stat_ptr + (base * G_PAD + g) * 2, mask=sp_ok, other=float("-inf"))
-    z = tl.load(stat_ptr + (base * G_PAD + g) * 2 + 1, mask=sp_ok, other=0.0)
+    base = ((b * HKV + hk) * TB + t // BLOCK_T) * SPLITS + sp  # this token block's partials: one per split
+    tile_row = (base * BLOCK_M + (t % BLOCK_T) * G + g)
+    m = tl.load(stat_ptr + tile_row * 2, mask=sp_ok, other=float("-inf"))
+    z = tl.load(stat_ptr + tile_row * 2 + 1, mask=sp_ok, other=0.0)
     top = tl.max(m, axis=0)
     w = tl.exp(m - tl.where(top == float("-inf"), 0.0, top))  # 0 for splits that saw nothing
     den = tl.sum(z * w, axis=0)
     r = tl.arange(0, DV)
-    part = tl.load(acc_ptr + (base * G_PAD + g)[:, None] * DV + r[None, :], mask=sp_ok[:, None], other=0.0)
+    part = tl.load(acc_ptr + tile_row[:, None] * DV + r[None, :], mask=sp_ok[:, None], other=0.0)
     o = tl.sum(part * w[:, None], axis=0) / tl.maximum(den, 1e-30)
     o = tl.where(den > 0, o, 0.0).to(y_ptr.dtype.element_ty).to(tl.float32)  # as decode_attention's output
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -172,20 +209,23 @@ def _combine_project_kernel(acc_ptr, stat_ptr, w_ptr, y_ptr, stride_wh, stride_w
     tl.store(y_ptr + row * N + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
-def combine_project(acc: Tensor, stat: Tensor, w: Tensor, g: int, dtype: torch.dtype, block_n: int = 8) -> Tensor:
-    """The split combine of decode_attention's partials (acc [B, Hkv, splits, G_PAD, Dv], stat
-    [..., 2]) for each of the Hkv * g query heads, rounded to `dtype`, then w[h] [N, Dv] applied
-    per head: [B, Hkv * g, N] in `dtype`. One program per (row, head, block of N) recombines its
-    head's splits (a few kilobytes) before its share of the product."""
-    b, hkv, splits, g_pad, dv = acc.shape
+def combine_project(acc: Tensor, stat: Tensor, w: Tensor, g: int, t: int, block_t: int, dtype: torch.dtype,
+                    block_n: int = 8) -> Tensor:
+    """The split combine of decode_attention's partials (acc [B, Hkv, TB, splits, BLOCK_M, Dv],
+    stat [..., 2]; tile row (i, j) of token block tb is token tb * block_t + i, head j of the
+    group) for each of the t tokens and Hkv * g query heads, rounded to `dtype`, then w[h]
+    [N, Dv] applied per head: [B, t, Hkv * g, N] in `dtype`. One program per (row, token, head,
+    block of N) recombines its head's splits (a few kilobytes) before its share of the product."""
+    b, hkv, tb, splits, block_m, dv = acc.shape
     heads, n = hkv * g, w.shape[1]
     if w.shape[0] != heads or w.shape[2] != dv or w.stride(2) != 1:
         raise ValueError(f"combine_project: w {tuple(w.shape)} (strides {w.stride()}) does not fit {heads} heads "
                          f"of width {dv}")
-    y = torch.empty(b, heads, n, dtype=dtype, device=acc.device)
-    _combine_project_kernel[(b * heads, triton.cdiv(n, block_n))](
-        acc, stat, w, y, w.stride(0), w.stride(1), HKV=hkv, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
-        G=g, G_PAD=g_pad, DV=dv, N=n, BLOCK_N=block_n, num_warps=4)
+    y = torch.empty(b, t, heads, n, dtype=dtype, device=acc.device)
+    _combine_project_kernel[(b * t * heads, triton.cdiv(n, block_n))](
+        acc, stat, w, y, w.stride(0), w.stride(1), t, tb, HKV=hkv, SPLITS=splits,
+        SPLITS_PAD=triton.next_power_of_2(splits), G=g, BLOCK_T=block_t, BLOCK_M=block_m, DV=dv, N=n,
+        BLOCK_N=block_n, num_warps=4)
     return y
 
 

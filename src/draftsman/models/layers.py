@@ -256,17 +256,22 @@ def deinterleave(x: Tensor) -> Tensor:
 # time each (measured on the H200), and decoding changes the key length every step while
 # training changes it every micro-batch (steps of 1.4 s instead of 0.12 s).
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-# One-token attention (decode steps) on CUDA in bf16/fp16 through draftsman's Triton kernel
-# (kernels/attention.py), inference only: compiled steps otherwise expand K/V to every query
-# head in fp32. False: always SDPA (benchmarks' `_sdpa` arms).
+# Decode steps and verified draft trees (a few query tokens per row) on CUDA in bf16/fp16
+# through draftsman's Triton kernel (kernels/attention.py), inference only: compiled steps
+# otherwise expand K/V to every query head in fp32 (~2.3 ms of an 8B's 8.6 ms verify round at 64
+# tokens). False: always SDPA (benchmarks' `_sdpa` arms).
 DECODE_ATTENTION = True
+# Most query tokens per row sent to the kernel: its tiles are sized for draft trees (up to 64
+# tokens); longer prefills keep SDPA's flash kernels, which tile long query runs far better.
+DECODE_ATTENTION_MAX_T = 64
 
 
 def decode_kernel_applies(q: Tensor, k: Tensor, v: Tensor | None, rope: tuple[Tensor, Tensor] | None = None) -> bool:
-    """Whether attention() runs draftsman's decode-attention kernel for these inputs: one query
-    token, CUDA, bf16/fp16, Triton, inference, and shapes it serves."""
-    if not (DECODE_ATTENTION and q.shape[1] == 1 and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
-            and triton_available() and not any(x.requires_grad for x in (q, k, v) if x is not None)):
+    """Whether attention() runs draftsman's decode-attention kernel for these inputs: 1 to
+    DECODE_ATTENTION_MAX_T query tokens, CUDA, bf16/fp16, Triton, inference, and shapes it serves."""
+    if not (DECODE_ATTENTION and 1 <= q.shape[1] <= DECODE_ATTENTION_MAX_T and q.is_cuda
+            and q.dtype in (torch.bfloat16, torch.float16) and triton_available()
+            and not any(x.requires_grad for x in (q, k, v) if x is not None)):
         return False
     from draftsman.kernels.attention import fits
 
