@@ -104,14 +104,19 @@ def kernel_profile(session, steps: int, device: torch.device) -> dict:
             torch.cuda.synchronize(device)
     kernels: Counter = Counter()
     calls: Counter = Counter()
+    host: Counter = Counter()  # host-side ops (aten ops, CUDA runtime calls such as cudaGraphLaunch): self time
+    for e in prof.key_averages():
+        if e.self_cpu_time_total > 0:
+            host[e.key] += e.self_cpu_time_total
     for e in prof.events():
         if device.type == "cuda" and e.device_type == torch.autograd.DeviceType.CUDA:
             kernels[e.name] += e.device_time
             calls[e.name] += 1
     top = [{"kernel": k[:90], "us_per_step": v / steps, "calls_per_step": calls[k] / steps}
            for k, v in kernels.most_common(8)]
+    host_top = [{"op": k[:90], "self_us_per_step": v / steps} for k, v in host.most_common(12)]
     return {"kernels_per_step": sum(calls.values()) / steps, "kernel_us_per_step": sum(kernels.values()) / steps,
-            "top": top}
+            "top": top, "host_top": host_top}
 
 
 def run_arm(session, prompts: list[list[int]], steps: int, warmup: int, profile_steps: int,

@@ -41,6 +41,7 @@ step decode_8b_mlp 300 python3 benchmarks/h200_decode.py \
 step gemv_fused 120 python3 benchmarks/h200_gemv.py --fused-only --out "$OUT/gemv_fused_8b.json"
 step gemv 200 python3 benchmarks/h200_gemv.py --out "$OUT/gemv_8b.json"
 step gemv_moonlight 200 python3 benchmarks/h200_moonlight_gemv.py --out "$OUT/gemv_moonlight.json"
+step tree_attention 240 python3 benchmarks/h200_tree_attention.py --out "$OUT/tree_attention.json"
 step batch 420 python3 benchmarks/h200_batch.py --out "$OUT/batch.json" --h200-json "$H"
 step adaptive_overhead 150 python3 benchmarks/h200_adaptive_overhead.py --out "$OUT/adaptive_overhead.json"
 step batch_steady 200 python3 benchmarks/h200_batch.py --steady --out "$OUT/batch_steady.json" --h200-json "$H"

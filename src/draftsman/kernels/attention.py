@@ -116,7 +116,7 @@ def tile_rows(d: int, dv: int) -> int:
 def decode_attention(q: Tensor, k: Tensor, v: Tensor | None, mask: Tensor, scale: float,
                      block_s: int | None = None, splits: int | None = None,
                      rope: tuple[Tensor, Tensor] | None = None, out_proj: Tensor | None = None,
-                     block_t: int | None = None) -> Tensor:
+                     block_t: int | None = None, num_warps: int | None = None) -> Tensor:
     """q [B, T, H, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv], mask [B, T, S] bool (True = may
     attend; size-1 dims broadcast) -> [B, T, H, Dv] in q's dtype, as layers.attention (a query
     row that sees no slot gets zeros). T = 1 is a decode step, T > 1 a verified draft tree, each
@@ -126,7 +126,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor | None, mask: Tensor, scale
     heads). Programs run over (row, KV head, block of block_t tokens) x splits along the slots.
     splits: default enough for about SM_TARGET programs; block_s: slots per iteration (default
     64, 32 for heads over 256 wide); block_t: tokens per program (default: as many as fill
-    tile_rows with their G heads each). out_proj [H, N, Dv] (any strides, last dim contiguous;
+    tile_rows with their G heads each); num_warps: default 4, 8 for heads over 256 wide. out_proj [H, N, Dv] (any strides, last dim contiguous;
     MLA's absorbed value projection): the result is instead [B, T, H, N] = per head
     out_proj[h] @ (the attention output rounded to q's dtype), merged with the split combine in
     one kernel (combine_project)."""
@@ -168,7 +168,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor | None, mask: Tensor, scale
         mask.stride(0), mask.stride(1), mask.stride(2), qr.stride(0), qr.stride(1), qr.stride(2),
         kr.stride(0), kr.stride(1), kr.stride(2), HKV=hkv, SPLITS=splits, G=g, BLOCK_T=block_t, BLOCK_M=block_m,
         D=d, DV=dv, DR=0 if rope is None else qr.shape[-1], V_IS_K=v_is_k, BLOCK_S=block_s, S_LEN=s_len,
-        PRECISION=precision, num_warps=4 if d <= 256 else 8)
+        PRECISION=precision, num_warps=num_warps or (4 if d <= 256 else 8))
     if out_proj is not None:
         return combine_project(acc, stat, out_proj, g, t, block_t, q.dtype)
     rows = block_t * g
