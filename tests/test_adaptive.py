@@ -156,6 +156,24 @@ def test_captures_wait_until_the_batch_stays_in_its_bucket():
     assert chosen == [PLAIN] * 3  # a new bucket: the count starts again
 
 
+def test_a_capture_waits_until_the_time_in_the_bucket_would_pay_for_it():
+    """Once a capture's cost is measured, an arm that would capture is chosen only when the share
+    of time it saves, over as long again as the batch has stayed in its bucket, covers that cost:
+    TREE's score at batch 2 is 2.27x plain's (its rate borrowed from batch 4, less plain_margin):
+    it saves 56% of the time, a capture costs 3 s, so it waits for 5.4 s of plain rounds (0.9 s
+    each: 6 rounds) and not for capture_after (1 round)."""
+    taus = {PLAIN: 1, CHAIN: 3, TREE: 5}
+    policy = AdaptivePolicy([CHAIN, TREE], explore_every=1000, window=1, tau_alpha=1.0, capture_after=1)
+    feed(policy, 4, {PLAIN: 1.0, CHAIN: 1.5, TREE: 2.0}, taus, 3)
+    policy.observe_capture(3.0)
+    assert policy.capture_seconds == 3.0
+    chosen = feed_ready(policy, 2, {PLAIN: 0.9, CHAIN: 1.4, TREE: 1.8}, taus, 9, ready={PLAIN})
+    assert chosen[:6] == [PLAIN] * 6 and chosen[6:] == [TREE] * 3
+    # a new bucket: its time starts again from nothing
+    chosen = feed_ready(policy, 1, {PLAIN: 0.8, CHAIN: 1.4, TREE: 1.8}, taus, 3, ready={PLAIN})
+    assert chosen == [PLAIN] * 3
+
+
 def test_a_dropped_arm_s_tau_goes_back_to_its_mean_once_stale():
     """An arm dropped on a run of bad rounds keeps the running τ it was dropped with, since
     nothing updates it while it does not run; after tau_stale_after rounds the policy trusts the

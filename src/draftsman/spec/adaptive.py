@@ -21,7 +21,9 @@ rounds time only the arms already captured there: an arm that would capture borr
 from the nearest bucket where it was timed (its round time scaled by plain decoding's between
 the two buckets), so a batch draining through smaller buckets (rows finishing at the end of a
 burst) does not capture every arm in every bucket on the way down; and an arm that would capture
-is chosen only once the batch has stayed in its bucket for `capture_after` rounds. An arm's
+is chosen only once the batch has stayed in its bucket for `capture_after` rounds, and long
+enough that the time the arm would save over as long again pays for the measured cost of a
+capture. An arm's
 running τ follows the text now decoding; once the arm has not run for `tau_stale_after` rounds
 its mean over all its rows stands in (a running τ frozen at the low it was dropped with kept
 the best arm off for good).
@@ -102,6 +104,13 @@ class AdaptivePolicy:
     # draining at the end of a burst passes each smaller bucket in a few rounds, too few to pay
     # a capture back (on the H200 at batch 64, captures in buckets 1-16 cost the run 0.37x).
     capture_after: int = 32
+    # ... and only once the time the batch has spent in its bucket, times the fraction of it the
+    # capturing arm would save, pays for a capture (its measured cost: the capturing rounds'
+    # time, a running mean). On the H200 with the reference pair, an adaptive run at batch 16
+    # captured 5 graphs in its timed part (new attention spans as rows came and went), ~0.1 s
+    # each, and ran at 0.68x of plain where its best arm alone ran at 1.30x.
+    capture_alpha: float = 0.3  # weight of one capture in the running mean of capture costs
+    capture_seconds: float | None = None  # that mean (None until a capture is reported)
     join_alpha: float = 0.05  # weight of one round in its arm's running join time per round
     explore_every: int = 64  # rounds between re-measurements of the stalest arm, at first
     max_explore_every: int = 1024  # ... doubling up to this while they change nothing
@@ -119,6 +128,7 @@ class AdaptivePolicy:
     _joined: float = 0.0  # seconds of joins since that round
     _bucket: int = 0  # bucket of the last choice ...
     _bucket_rounds: int = 0  # ... and the choices in a row made in it
+    _bucket_seconds: float = 0.0  # seconds of the rounds (captures included) observed in it since
 
     def __post_init__(self) -> None:
         if not self.candidates:
@@ -184,7 +194,9 @@ class AdaptivePolicy:
         None: every arm is ready."""
         self.round += 1
         b = bucket(batch)
-        self._bucket_rounds = self._bucket_rounds + 1 if b == self._bucket else 1
+        if b != self._bucket:
+            self._bucket_rounds, self._bucket_seconds = 0, 0.0
+        self._bucket_rounds += 1
         self._bucket = b
         answers: dict[Hashable, bool] = {}
 
@@ -217,7 +229,8 @@ class AdaptivePolicy:
             # A capture costs several rounds: the best captured arm, unless the gain clearly pays
             captured = [arm for arm in scores if is_ready(arm)]
             alt = max(captured, key=lambda arm: scores[arm]) if captured else best
-            if self._bucket_rounds < self.capture_after or scores[best] <= scores[alt] * (1 + self.capture_margin):
+            if (self._bucket_rounds < self.capture_after or scores[best] <= scores[alt] * (1 + self.capture_margin)
+                    or not self._capture_pays(scores[best], scores[alt])):
                 best = alt
         if b in self.current and is_ready(self.current[b]):
             current = self.current[b]
@@ -231,6 +244,20 @@ class AdaptivePolicy:
             self._next[b] = self.round + self._interval[b]
         self.current[b] = current
         return current
+
+    def _capture_pays(self, best: float, alt: float) -> bool:
+        """Whether an arm scoring `best`, which needs a capture, pays for it against `alt`: the
+        share of time it saves, over as long again as the batch has stayed in its bucket, covers
+        the measured capture cost (True while no capture was measured)."""
+        if self.capture_seconds is None or best <= 0:
+            return True
+        return (1 - alt / best) * self._bucket_seconds >= self.capture_seconds
+
+    def observe_capture(self, seconds: float) -> None:
+        """A round that captured CUDA graphs took `seconds` (reported besides observe's None)."""
+        self._bucket_seconds += seconds
+        old = self.capture_seconds
+        self.capture_seconds = seconds if old is None else old + self.capture_alpha * (seconds - old)
 
     def observe(self, arm: SpecConfig | None, batch: int, seconds: float | None, accepted: Sequence[int]) -> None:
         """One round of `arm` over `batch` rows took `seconds` (None: not representative, e.g. it
@@ -255,6 +282,7 @@ class AdaptivePolicy:
             self.taus[arm] = tau if old is None else (1 - w) * old + w * tau
             self.tau_rows[arm] = rows + len(accepted)
         if seconds is not None:
+            self._bucket_seconds += seconds
             e.recent.append(seconds)  # (the window's oldest drops out)
             e.seconds = statistics.median(e.recent)
 

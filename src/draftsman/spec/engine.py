@@ -211,7 +211,10 @@ class SpecSession(DecodeSession):
         start = time.perf_counter()
         events, accepted = self._plain_round() if arm is None else self._spec_round()
         seconds = time.perf_counter() - start  # the round ended in a host sync: its real cost
-        untimed = compiling or captures(self.target, self.drafter) != before  # one-off costs, not the arm's
+        captured = captures(self.target, self.drafter) != before
+        untimed = compiling or captured  # one-off costs, not the arm's
+        if captured and not compiling:
+            self.policy.observe_capture(seconds)
         self.policy.observe(arm, batch, None if untimed else seconds, accepted)
         return events
 
