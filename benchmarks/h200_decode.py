@@ -375,8 +375,9 @@ def h200_figures(res: dict) -> dict:
     if "hf_generate" in arms:
         out[f"hf_generate_ms_{tag}"] = arms["hf_generate"]["ms_per_token"]
     if "rounds" in arms:
+        kind = "compiled_" if arms["rounds"].get("compiled") else ""  # (--compile-rounds)
         for name, ratio in arms["rounds"]["over_plain_step"].items():
-            out[f"round_over_step_{tag}_{name}"] = ratio
+            out[f"round_over_step_{tag}_{kind}{name}"] = ratio
         for name, bound in arms["rounds"].get("bytes_bound_over_step", {}).items():
             out[f"round_bytes_bound_{tag}_{name}"] = bound
     return out
