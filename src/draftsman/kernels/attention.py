@@ -126,10 +126,10 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor | None, mask: Tensor, scale
     heads). Programs run over (row, KV head, block of block_t tokens) x splits along the slots.
     splits: default enough for about SM_TARGET programs; block_s: slots per iteration (default
     64, 32 for heads over 256 wide); block_t: tokens per program (default: as many as fill
-    tile_rows with their G heads each); num_warps: default 4, 8 for heads over 256 wide. out_proj [H, N, Dv] (any strides, last dim contiguous;
-    MLA's absorbed value projection): the result is instead [B, T, H, N] = per head
-    out_proj[h] @ (the attention output rounded to q's dtype), merged with the split combine in
-    one kernel (combine_project)."""
+    tile_rows with their G heads each); num_warps: default 4, 8 for heads over 256 wide.
+    out_proj [H, N, Dv] (any strides, last dim contiguous; MLA's absorbed value projection): the
+    result is instead [B, T, H, N] = per head out_proj[h] @ (the attention output rounded to q's
+    dtype), merged with the split combine in one kernel (combine_project)."""
     v_is_k = v is None
     v = k if v is None else v
     if not fits(q, k, v, rope):
@@ -172,9 +172,9 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor | None, mask: Tensor, scale
     if out_proj is not None:
         return combine_project(acc, stat, out_proj, g, t, block_t, q.dtype)
     rows = block_t * g
-    out = combine(acc.view(b, hkv * tb, splits, block_m, dv)[..., :rows, :],
-                  stat.view(b, hkv * tb, splits, block_m, 2)[..., :rows, 0],
-                  stat.view(b, hkv * tb, splits, block_m, 2)[..., :rows, 1])  # [B, Hkv * TB, rows, Dv]
+    stat = stat.view(b, hkv * tb, splits, block_m, 2)[..., :rows, :]
+    out = combine(acc.view(b, hkv * tb, splits, block_m, dv)[..., :rows, :], stat[..., 0],
+                  stat[..., 1])  # [B, Hkv * TB, rows, Dv]
     out = out.view(b, hkv, tb * block_t, g, dv)[:, :, :t].transpose(1, 2)  # [B, T, Hkv, G, Dv]
     return out.reshape(b, t, h, dv).to(q.dtype)
 

@@ -23,10 +23,9 @@ the two buckets), so a batch draining through smaller buckets (rows finishing at
 burst) does not capture every arm in every bucket on the way down; and an arm that would capture
 is chosen only once the batch has stayed in its bucket for `capture_after` rounds, and long
 enough that the time the arm would save over as long again pays for the measured cost of a
-capture. An arm's
-running τ follows the text now decoding; once the arm has not run for `tau_stale_after` rounds
-its mean over all its rows stands in (a running τ frozen at the low it was dropped with kept
-the best arm off for good).
+capture. An arm's running τ follows the text now decoding; once the arm has not run for
+`tau_stale_after` rounds its mean over all its rows stands in (a running τ frozen at the low it
+was dropped with kept the best arm off for good).
 
 Rounds are not the whole cost of an arm. Newcomers join the batch between rounds (a prefill),
 and speculation staggers when rows finish, so a continuous batch refills more often in smaller
@@ -128,7 +127,7 @@ class AdaptivePolicy:
     _joined: float = 0.0  # seconds of joins since that round
     _bucket: int = 0  # bucket of the last choice ...
     _bucket_rounds: int = 0  # ... and the choices in a row made in it
-    _bucket_seconds: float = 0.0  # seconds of the rounds (captures included) observed in it since
+    _bucket_seconds: float = 0.0  # ... and the seconds of its rounds observed since (captures included)
 
     def __post_init__(self) -> None:
         if not self.candidates:

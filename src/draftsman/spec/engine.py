@@ -93,9 +93,9 @@ class SpecSession(DecodeSession):
         self._plain_run = 0  # plain rounds since the drafter last caught up (a row holds at most this many pairs)
         self._t_span = self._d_span = None  # attention spans of the round being run (_set_spans)
         self._compiled_shapes: set = set()  # (arm, batch bucket) rounds run so far, with compile
-        # Shapes known to replay captured graphs (_captured's question to the graph tables builds
-        # keys over every cache buffer, host time each round): valid until the tables capture
-        # again (a capture may evict).
+        # _captured's answers per shape (its question to the graph tables builds keys over every
+        # cache buffer, host time each round): valid until the tables capture again (a capture
+        # may evict) or a capture fails.
         self._ready: dict[tuple, bool] = {}
         self._ready_captures: tuple[int, int] = (-1, -1)
 
