@@ -600,3 +600,48 @@ def test_switching_samples_from_the_target_distribution(tmp_path_factory, schedu
     assert rest_o <= rest_e + 5 * math.sqrt(rest_e + 1) + 5
     assert stat < _chi2_critical(int(keep.sum()) - 1), (stat, int(keep.sum()))
     assert sum(sum(a) for arm, a in policy.log if arm is not None) > 0  # speculation accepted drafts
+
+
+def test_masks_see_no_slot_past_the_attention_limit(pair, monkeypatch):
+    """The models' contract behind layers.attention_limit (the decode kernel reads no slot at or
+    past it): every mask a session builds lets a token see no slot past the highest its row
+    writes in that forward. Checked on every cached forward of a static session whose masks span
+    the whole cache (full_span, as graphed sessions on the decode kernel run): trees, chains,
+    plain rounds, the drafter's catch-up with its padding, a row joining mid-stretch; and the
+    session stays lossless."""
+    import draftsman.models.base as base
+    import draftsman.models.eagle3 as eagle3
+    from draftsman.session import Request
+
+    real, widths = base.AttnContext, set()
+
+    def checked(cos, sin, mask, cache=None, cache_index=None, limit=None):
+        if cache is not None:
+            slots = torch.arange(mask.shape[-1])
+            past = slots[None, None, :] > cache_index.amax(1)[:, None, None]
+            assert not (mask & past).any(), "a mask sees a slot past its row's highest written slot"
+            widths.add((mask.shape[1], mask.shape[-1]))
+        return real(cos, sin, mask, cache, cache_index, limit)
+
+    target, drafter = pair
+    rules, greedy = StopRules(max_new_tokens=120), SamplingParams(temperature=0.0)
+    first, second = prompts()
+    plain = [r.state.tokens for r in run_to_completion(PlainSession(target, 260), [first, second], rules, greedy)]
+    monkeypatch.setattr(base, "AttnContext", checked)
+    monkeypatch.setattr(eagle3, "AttnContext", checked)
+    schedule = [TREE] * 2 + [None] * 6 + [CHAIN] * 2 + [None] * (BACKLOG + 3) + [TREE] * 3 + [None] * 2 + [TREE]
+    session = SpecSession(target, drafter, None, 260, policy=Scripted(schedule))
+    session.static = session.full_span = True
+    reqs = [Request(i, p, rules, greedy) for i, p in enumerate((first, second))]
+    session.add(reqs[:1])
+    for _ in range(5):  # two tree rounds, three plain rounds; then a newcomer mid-stretch
+        session.step()
+    session.add(reqs[1:])
+    while session.num_running:
+        session.step()
+    assert [r.state.tokens for r in reqs] == plain
+    whole = {c.max_len for c in session.caches}  # every round's steps span a whole cache (prefills: their prompt)
+    assert {(t, s) for t, s in widths if s in whole} >= {(1, session.caches[0].max_len),  # plain rounds
+                                                         (TREE.topk, session.caches[1].max_len),  # draft steps
+                                                         (TREE.draft_tokens, session.caches[0].max_len),  # verify
+                                                         (BACKLOG, session.caches[1].max_len)}  # catch-up

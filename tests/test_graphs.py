@@ -257,3 +257,49 @@ def test_interleaved_adaptive_sessions_on_cuda_decode_like_plain():
         assert [r.state.tokens for r in reqs] == plain
     for module in (target, drafter):
         assert not graph_table(module).failed
+
+
+@pytest.mark.gpu
+@gpu
+def test_attention_limit_reads_no_slot_past_it_on_cuda():
+    """bf16 reference target on CUDA: a decode step and a 6-token chain verify over a mask
+    spanning the whole cache (the decode kernel bounded by attention_limit) give the logits of
+    masks sized to the slots in use, with NaN in every cache slot past the rows' limits: none is
+    read."""
+    target_dir, _ = draftsman.reference_pair()
+    target = draftsman.load_target(target_dir, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(5, 8000, (2, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    for t in (1, 6):
+        logits = []
+        for whole in (True, False):
+            cache = target.new_cache(2, 512)
+            used = torch.tensor([40, 25], device="cuda")  # rows of different lengths
+            target.run(ids, cache=cache, positions=torch.arange(40, device="cuda").expand(2, 40))
+            for buf in cache.buffers.values():  # poison every slot at or past a row's new tokens
+                buf[:, 0, 40 + t:] = float("nan")
+                buf[:, 1, 25 + t:] = float("nan")
+            pos = used[:, None] + torch.arange(t, device="cuda")
+            mask = slot_mask(pos, 512 if whole else 40 + t)
+            logits.append(target.run(ids[:, :t], cache=cache, positions=pos, attn_mask=mask).logits.float())
+        assert torch.isfinite(logits[0]).all()
+        torch.testing.assert_close(logits[0], logits[1], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@gpu
+def test_full_span_sessions_capture_one_graph_per_batch_bucket():
+    """A graphed bf16 plain session on the decode kernel (full_span) attends over the whole cache:
+    rows growing past 64, 128 and 256 slots replay the graph of their batch bucket, where spans
+    sized to the slots in use capture one per span."""
+    target_dir, _ = draftsman.reference_pair()
+    target = draftsman.load_target(target_dir, device="cuda", dtype=torch.bfloat16)
+    keys = []
+    for full in (True, False):
+        table = graph_table(target)
+        table.runners.clear()
+        session = new_session(target, None, None, max_len=320)
+        assert session.full_span  # (bf16 on CUDA with Triton: the kernel serves the reference target)
+        session.full_span = full
+        run_to_completion(session, prompts(1), StopRules(max_new_tokens=280), SamplingParams(temperature=0.0))
+        keys.append([k for k in table.runners if k[0][0] == "decode"])
+    assert len(keys[0]) == 1 and len(keys[1]) >= 3

@@ -515,6 +515,28 @@ for b, h, d, dr, t, prefix, splits, block_t in ((1, 4, 32, 16, 5, 20, None, None
     got = decode_attention(q, kv, None, mask, 0.1, block_s=16, splits=splits, rope=(qr, kr), out_proj=w_uv,
                            block_t=block_t)
     torch.testing.assert_close(got, torch.einsum("bthr,hvr->bthv", want, w_uv), rtol=2e-5, atol=2e-5)
+# A per-row limit: slots at or past it are neither read nor seen, though the mask (against the
+# contract, to prove it) marks some visible; NaN keys and values there poison any that is read.
+# Limits shorter than one split's share, not a block multiple, 0 (nothing visible: zeros).
+for b, h, hkv, d, t, splits, block_t, limits in ((3, 8, 2, 16, 4, None, None, (50, 7, 0)),
+                                                 (2, 4, 4, 16, 1, 3, None, (33, 120)),
+                                                 (2, 8, 2, 16, 16, 2, 5, (90, 17))):
+    s = 120
+    lim = torch.tensor(limits, dtype=torch.int32)
+    q = torch.randn(b, t, h, d, generator=g)
+    k, v = torch.randn(b, s, hkv, d, generator=g), torch.randn(b, s, hkv, d, generator=g)
+    mask = torch.rand(b, t, s, generator=g) < 0.7
+    past = torch.arange(s)[None, :] >= lim[:, None]  # [B, S]
+    bad_k, bad_v = k.masked_fill(past[..., None, None], float("nan")), v.masked_fill(past[..., None, None], float("nan"))
+    got = decode_attention(q, bad_k, bad_v, mask, d ** -0.5, block_s=16, splits=splits, block_t=block_t, limit=lim)
+    check(got, q, k, v, mask & ~past[:, None], d ** -0.5)
+    latent = torch.randn(b, s, 1, d + 16, generator=g).masked_fill(past[..., None, None], float("nan"))
+    qr, w_uv = torch.randn(b, t, h, 16, generator=g), torch.randn(h, 8, d, generator=g)
+    got = decode_attention(q, latent[..., :d], None, mask, 0.1, block_s=16, splits=splits, block_t=block_t,
+                           rope=(qr, latent[..., d:]), out_proj=w_uv, limit=lim)
+    clean = latent.nan_to_num(0.0)
+    want = torch.nan_to_num(attention(q, clean[..., :d], None, mask & ~past[:, None], 0.1, rope=(qr, clean[..., d:])))
+    torch.testing.assert_close(got, torch.einsum("bthr,hvr->bthv", want, w_uv), rtol=2e-5, atol=2e-5)
 print("ok")
 """
 
@@ -524,7 +546,8 @@ def test_tree_attention_matches_attention_interpreted():
     random subset of the earlier tree slots; one token that sees nothing): grouped heads (2 and 3
     per KV head) and one per KV head, Dv != D, strided K, default and ragged token blocks, splits;
     values that are the keys, a mask broadcast over rows; MLA's rope pair, with and without the
-    fused value projection. Against attention()'s PyTorch path in fp32."""
+    fused value projection; per-row limits past which nothing is read (NaN there) or seen.
+    Against attention()'s PyTorch path in fp32."""
     proc = subprocess.run([sys.executable, "-c", TREE_ATTENTION_INTERPRETED], capture_output=True, text=True,
                           timeout=600, env=os.environ | {"TRITON_INTERPRET": "1"})
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]

@@ -30,7 +30,7 @@ from draftsman.graphs import (
 )
 from draftsman.kvcache import StaticCache
 from draftsman.models.base import TargetModel
-from draftsman.models.layers import slot_mask
+from draftsman.models.layers import decode_kernel_serves, slot_mask
 from draftsman.sampling import SamplingParams, greedy_argmax, make_generator, sample, warp_probs
 
 
@@ -93,6 +93,12 @@ class DecodeSession(abc.ABC):
         # the host (`span`: fixed shapes, no device sync) and is replayed from a CUDA graph.
         self.static = self.device.type == "cuda" or compile  # compiled steps need fixed shapes
         self.graphed = graphs_enabled(self.device)
+        # Graphed steps whose attention runs the decode kernel read only the slots below each
+        # row's limit (layers.attention_limit), so their masks span the whole cache (span): one
+        # graph per batch bucket serves a row's whole life, where a span per power of two was
+        # captured again (~0.1 s each with the reference pair on the H200) whenever the longest
+        # row crossed one, and an adaptive session met new spans in every run.
+        self.full_span = self.graphed and decode_kernel_serves(target)
         # Static steps run on batches padded to a power of two (rows copied from row 0 into
         # cache rows past the live ones), so a graph serves every batch size of its bucket.
         self.pad = self.graphed
@@ -176,8 +182,9 @@ class DecodeSession(abc.ABC):
         shapes over a row's life), at most the cache. Known on the host (prompt + emitted
         tokens), so sizing it costs no device sync, and attention reads ~the slots in use rather
         than the whole cache (which at large batch would cost more than the weights). Compiled
-        sessions attend over the whole cache: each new span would recompile the forwards."""
-        if self.compile:  # one shape for the whole cache: a new span would mean a new compilation
+        sessions attend over the whole cache: each new span would recompile the forwards; so do
+        `full_span` sessions, whose attention reads only the slots in use whatever the span."""
+        if self.compile or self.full_span:  # one shape for the whole cache (no new compilation or graph)
             return cache.max_len
         need = self.longest_row() + extra
         return min(cache.max_len, max(SPAN_MIN, pow2_ceil(need)))

@@ -219,7 +219,8 @@ class _ContextMover:
             return self.last[1]
         dev = self.device
         moved = AttnContext(ctx.cos.to(dev), ctx.sin.to(dev), ctx.mask.to(dev), ctx.cache,
-                            None if ctx.cache_index is None else ctx.cache_index.to(dev))
+                            None if ctx.cache_index is None else ctx.cache_index.to(dev),
+                            None if ctx.limit is None else ctx.limit.to(dev))
         self.last = (ctx, moved)
         return moved
 

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from draftsman.config import TargetConfig
 from draftsman.kvcache import StaticCache
-from draftsman.models.layers import RMSNorm, fuse_projections, resolve_slots
+from draftsman.models.layers import RMSNorm, attention_limit, fuse_projections, resolve_slots
 
 
 @dataclass
@@ -24,6 +24,7 @@ class AttnContext:
     mask: Tensor  # [B, T, S] bool: over the new tokens (no cache) or over cache slots
     cache: StaticCache | None = None
     cache_index: Tensor | None = None  # [B, T] slot each new token is written to
+    limit: Tensor | None = None  # [B] int32: no slot at or past it is visible (layers.attention_limit)
     # Fused batch-1 decode layers (llama.LlamaDecoderLayer.decode_fused): partial sums of squares
     # of the last layer's output row, which the next layer's norm reads instead of recomputing.
     norm_ss: Tensor | None = None
@@ -102,6 +103,9 @@ class TargetModel(nn.Module, ABC):
         cache/cache_index: write each token's cache entry at slot cache_index[b, t] and attend
             over the first S slots, S = attn_mask.shape[-1] (default: every slot <= own slot).
         attn_mask: [B, T, S] bool, True where query t may attend key s (tree verify passes one).
+            With a cache, a token may see no slot past the highest slot its row writes in this
+            forward (every mask draftsman builds): on CUDA attention reads only the slots below
+            it (layers.attention_limit), however large S.
         aux_layer_ids: capture the residual stream entering these layers (id L = output of
             the last layer, before the final norm), per DESIGN.md.
         logits_index: [B, K] positions whose logits to compute (default: all)."""
@@ -110,7 +114,7 @@ class TargetModel(nn.Module, ABC):
         self._check_aux_ids(aux_layer_ids)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        ctx = AttnContext(cos, sin, attn_mask, cache, cache_index)
+        ctx = AttnContext(cos, sin, attn_mask, cache, cache_index, attention_limit(cache_index if cache is not None else None))
         captured: dict[int, Tensor] = {}
         wanted = set(aux_layer_ids)
         for i, layer in enumerate(self.layers):

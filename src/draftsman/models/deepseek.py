@@ -108,6 +108,11 @@ class MLAttention(nn.Module):
             x = deinterleave(x)
         return apply_rotary(x, ctx.cos, ctx.sin)
 
+    def kernel_heads(self) -> tuple[int, int, int, int, int]:
+        """The absorbed form's layout (layers.decode_kernel_serves): every head a query against
+        one KV head, the latent (keys and values) plus the rope part."""
+        return self.n_heads, 1, self.rank, self.rank, self.rope_dim
+
     def _input_projections(self) -> list[nn.Module]:
         """The projections of the layer input: q (or its LoRA down-projection) and kv_a."""
         return [self.q_proj if hasattr(self, "q_proj") else self.q_a_proj, self.kv_a_proj_with_mqa]
@@ -136,7 +141,7 @@ class MLAttention(nn.Module):
             ctx.cache.write(layer, ctx.cache_index, ckv=c_kv, kpe=k_pe[:, :, 0])
             s = ctx.mask.shape[-1]
             c_all, pe_all = ctx.cache.read(layer, "ckv", s), ctx.cache.read(layer, "kpe", s)
-            out = self._absorbed(q_nope, q_pe, c_all, pe_all, ctx.mask)
+            out = self._absorbed(q_nope, q_pe, c_all, pe_all, ctx.mask, ctx.limit)
         return self.o_proj(out.reshape(b, t, -1))
 
     def _expanded(self, q_nope: Tensor, q_pe: Tensor, c_kv: Tensor, k_pe: Tensor, mask: Tensor) -> Tensor:
@@ -146,7 +151,8 @@ class MLAttention(nn.Module):
         k = torch.cat((k_nope, k_pe.expand(b, s, self.n_heads, self.rope_dim)), dim=-1)
         return attention(torch.cat((q_nope, q_pe), dim=-1), k, v, mask, self.scale)
 
-    def _absorbed(self, q_nope: Tensor, q_pe: Tensor, c_kv: Tensor, k_pe: Tensor, mask: Tensor) -> Tensor:
+    def _absorbed(self, q_nope: Tensor, q_pe: Tensor, c_kv: Tensor, k_pe: Tensor, mask: Tensor,
+                  limit: Tensor | None = None) -> Tensor:
         """Attention over the cached latent. q_nope.k_nope = (q_nope W_UK) . c_kv, and
         softmax(.) (c_kv W_UV^T) = (softmax(.) c_kv) W_UV^T, so no per-slot decompression is needed:
         each head becomes a query of width kv_lora_rank + rope against one shared key/value head."""
@@ -166,8 +172,10 @@ class MLAttention(nn.Module):
                                                                                           None, rope):
             from draftsman.kernels.attention import decode_attention
 
-            return decode_attention(q_latent, c_kv[:, :, None], None, mask, self.scale, rope=rope, out_proj=w_uv)
-        out_latent = attention(q_latent, c_kv[:, :, None], None, mask, self.scale, rope=rope)  # [B, T, heads, rank]
+            return decode_attention(q_latent, c_kv[:, :, None], None, mask, self.scale, rope=rope, out_proj=w_uv,
+                                    limit=limit)
+        out_latent = attention(q_latent, c_kv[:, :, None], None, mask, self.scale, rope=rope,
+                               limit=limit)  # [B, T, heads, rank]
         if _head_gemv_applies(out_latent, w):
             from draftsman.kernels.gemv import head_gemv
 

@@ -31,6 +31,7 @@ from draftsman.models.layers import (
     SwiGLU,
     apply_rotary,
     attention,
+    attention_limit,
     fuse_projections,
     fuse_qkv,
     project_qkv,
@@ -64,6 +65,10 @@ class Eagle3Attention(nn.Module):
         """One GEMM for q, k and v (inference; load_drafter(inference=True))."""
         fuse_qkv(self)
 
+    def kernel_heads(self) -> tuple[int, int, int, int]:
+        """(query heads, KV heads, key width, value width): layers.decode_kernel_serves."""
+        return self.n_heads, self.n_kv, self.head_dim, self.head_dim
+
     def forward(self, x: Tensor, ctx: AttnContext) -> Tensor:
         b, t, _ = x.shape
         q, k, v = project_qkv(self, x)
@@ -75,7 +80,7 @@ class Eagle3Attention(nn.Module):
             ctx.cache.write(0, ctx.cache_index, k=k, v=v)
             s = ctx.mask.shape[-1]
             k, v = ctx.cache.read(0, "k", s), ctx.cache.read(0, "v", s)
-        out = attention(q, k, v, ctx.mask, self.scale)
+        out = attention(q, k, v, ctx.mask, self.scale, limit=ctx.limit)
         return self.o_proj(out.reshape(b, t, -1))
 
 
@@ -230,7 +235,7 @@ class Eagle3Drafter(nn.Module):
         dtype = self.fc.weight.dtype
         embeds = self.embed(input_ids).to(dtype)
         cos, sin = self.rotary(positions, dtype)
-        ctx = AttnContext(cos, sin, attn_mask, cache, cache_index)
+        ctx = AttnContext(cos, sin, attn_mask, cache, cache_index, attention_limit(cache_index if cache is not None else None))
         out = self.midlayer(embeds, hidden.to(dtype), ctx)
         return self.compute_logits(out), out
 

@@ -278,18 +278,46 @@ def decode_kernel_applies(q: Tensor, k: Tensor, v: Tensor | None, rope: tuple[Te
     return fits(q, k, v, rope)
 
 
+def decode_kernel_serves(model: nn.Module) -> bool:
+    """Whether attention() sends a model's cached steps of 1 to DECODE_ATTENTION_MAX_T tokens to
+    the decode-attention kernel: on CUDA in bf16/fp16 with Triton, and every attention module's
+    head layout (`kernel_heads()`) one the kernel serves. Such steps read only the slots below
+    attention_limit, so sessions can size their masks for the whole cache
+    (DecodeSession.span)."""
+    from draftsman.kernels.attention import fits_heads
+
+    params = next(model.parameters(), None)
+    heads = [m.kernel_heads() for m in model.modules() if hasattr(m, "kernel_heads")]
+    return (DECODE_ATTENTION and params is not None and params.is_cuda
+            and params.dtype in (torch.bfloat16, torch.float16) and triton_available() and bool(heads)
+            and all(fits_heads(*h) for h in heads))
+
+
+def attention_limit(cache_index: Tensor | None) -> Tensor | None:
+    """[B] int32: one past the highest cache slot each row writes in this forward, or None
+    (no cache, or off CUDA, where the decode-attention kernel does not run). The models'
+    contract (TargetModel.run): a token sees no slot past the highest one its row writes, as
+    every mask draftsman builds (slots up to the token's own; a tree's ancestors, written before
+    it), so the kernel reads only the slots below this."""
+    if cache_index is None or not cache_index.is_cuda:
+        return None
+    return (cache_index.amax(1) + 1).to(torch.int32)
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor | None, mask: Tensor, scale: float,
-              rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+              rope: tuple[Tensor, Tensor] | None = None, limit: Tensor | None = None) -> Tensor:
     """q [B, T, H, D], k/v [B, S, Hkv, D*], mask [B, T, S] bool (True = may attend) -> [B, T, H, Dv].
 
     Grouped-query attention when Hkv < H. v None: the values are the keys (MLA's latent). rope
     (q_rope [B, T, H, Dr], k_rope [B, S, Hkv, Dr]): a second query/key part, as if concatenated
     to q and k (MLA's shared rotary key), never concatenated on the decode-kernel path. A query
-    row with no visible key returns zeros instead of NaN (padding rows)."""
+    row with no visible key returns zeros instead of NaN (padding rows). limit [B] int32
+    (attention_limit): no row sees a slot at or past limit[b]; the decode kernel reads only the
+    slots below it (the other paths read the mask's S slots)."""
     if decode_kernel_applies(q, k, v, rope):
         from draftsman.kernels.attention import decode_attention
 
-        return decode_attention(q, k, v, mask, scale, rope=rope)
+        return decode_attention(q, k, v, mask, scale, rope=rope, limit=limit)
     v = k if v is None else v
     if rope is not None:
         q, k = torch.cat((q, rope[0]), dim=-1), torch.cat((k, rope[1]), dim=-1)

@@ -69,7 +69,11 @@ class LlamaAttention(nn.Module):
             ctx.cache.write(layer, ctx.cache_index, k=k, v=v)
             s = ctx.mask.shape[-1]
             k, v = ctx.cache.read(layer, "k", s), ctx.cache.read(layer, "v", s)
-        return attention(q, k, v, ctx.mask, self.scale).reshape(b, t, -1)
+        return attention(q, k, v, ctx.mask, self.scale, limit=ctx.limit).reshape(b, t, -1)
+
+    def kernel_heads(self) -> tuple[int, int, int, int]:
+        """(query heads, KV heads, key width, value width): layers.decode_kernel_serves."""
+        return self.n_heads, self.n_kv, self.head_dim, self.head_dim
 
     def fuse(self) -> None:
         """One GEMM for q, k and v (inference; TargetModel.fuse_projections)."""

@@ -26,7 +26,7 @@ from draftsman.generate import GenerationOutput, StopRules
 from draftsman.graphs import captures, compiled, failures, pow2_ceil
 from draftsman.kvcache import StaticCache
 from draftsman.models.base import TargetModel
-from draftsman.models.layers import slot_mask
+from draftsman.models.layers import decode_kernel_serves, slot_mask
 from draftsman.sampling import SamplingParams, greedy_argmax
 from draftsman.session import DecodeSession, Event, Request, run_to_completion
 from draftsman.spec.tree import CandidatePool, VerifyTree, check_tree_args, select_tree
@@ -84,6 +84,7 @@ class SpecSession(DecodeSession):
         if (spec is None) == (policy is None):
             raise ValueError("give a SpecConfig, or spec=None and an AdaptivePolicy")
         super().__init__(target, max_len, seed, compile)
+        self.full_span = self.full_span and decode_kernel_serves(drafter)  # (both caches, or neither)
         self.d_fwd = compiled(drafter, "forward") if compile else drafter
         self.drafter, self.policy = drafter, policy
         self.shapes = [spec] if policy is None else list(policy.candidates)
