@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections import Counter
 
@@ -30,6 +31,7 @@ import draftsman.session
 from draftsman.bench import load_prompt_set
 from draftsman.cli import resolve_device, resolve_dtype
 from draftsman.generate import StopRules
+from draftsman.graphs import graph_table
 from draftsman.sampling import SamplingParams
 from draftsman.session import PlainSession, Request
 from draftsman.spec.adaptive import PLAIN, AdaptivePolicy
@@ -134,6 +136,60 @@ def kernel_profile(session, steps: int, device: torch.device) -> dict:
             "top": top, "host_top": host_top}
 
 
+def launch_us(runner, reps: int = 50) -> dict:
+    """Median host microseconds of `runner`'s graph.replay() call (the launch; the device is idle
+    before it) and of the whole replay to a sync."""
+    launch, whole = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        runner.graph.replay()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        launch.append(t1 - t0)
+        whole.append(time.perf_counter() - t0)
+    return {"launch_us": statistics.median(launch) * 1e6, "replay_us": statistics.median(whole) * 1e6}
+
+
+def replay_costs(modules: dict) -> dict:
+    """launch_us of every graph captured so far for these modules, by (module, step kind, rows)."""
+    out = {}
+    for name, module in modules.items():
+        for key, runner in graph_table(module).runners.items():
+            kind, rows = key[0][0], key[1][0][1][0]  # (kind, ...), ((input, shape, dtype), ...)
+            out[f"{name}:{kind}:{rows}:{len(out)}"] = launch_us(runner)
+    return out
+
+
+def plain_variants(session) -> dict:
+    """launch_us of an adaptive session's plain-round step and of its parts, each captured alone
+    over the session's target cache (which graph property makes a launch slow)."""
+    from draftsman.graphs import CudaGraphRunner
+    from draftsman.models.layers import slot_mask
+    from draftsman.sampling import greedy_argmax
+    from draftsman.session import padded
+
+    cache, st = session.caches[0], session.tensors
+    span = session.span(cache, 1)
+    rows = len(session.rows)
+
+    def run(n, root, aux=()):
+        return session.t_run(root[:, None], cache=cache, positions=n[:, None], attn_mask=slot_mask(n[:, None], span),
+                             aux_layer_ids=aux)
+
+    variants = {
+        "decode_logits": lambda n, root: run(n, root).logits,
+        "decode_argmax": lambda n, root: greedy_argmax(run(n, root).logits[:, 0]),
+        "decode_aux": lambda n, root: (lambda o: (o.logits, torch.cat(o.aux_hidden, -1)))(run(n, root, session.aux_ids)),
+        "plain_round_step": session._greedy_plain,
+    }
+    out = {}
+    with padded(session.caches[:1], rows):
+        for name, fn in variants.items():
+            out[name] = launch_us(CudaGraphRunner(fn, {"n": st["n"][:rows], "root": st["root"][:rows]}))
+    return out
+
+
 def run_arm(session, prompts: list[list[int]], steps: int, warmup: int, profile_steps: int,
             device: torch.device) -> dict:
     rules = StopRules(max_new_tokens=warmup + steps + 2 * profile_steps + 8)
@@ -183,14 +239,26 @@ def main() -> None:
                                   args.steps, args.warmup, args.profile_steps, device),
         "adaptive_bare": run_arm(SpecSession(target, drafter, None, max_len, policy=Bare(ARMS)), prompts,
                                  args.steps, args.warmup, args.profile_steps, device),
+        "tree16": run_arm(SpecSession(target, drafter, ARMS[2], max_len), prompts, args.steps // 4,
+                          args.warmup // 4, args.profile_steps, device),
     }
+    if device.type == "cuda":  # what launching each captured graph costs the host, and why
+        bare = SpecSession(target, drafter, None, max_len, policy=Bare(ARMS))
+        bare.add([Request(i, p, StopRules(max_new_tokens=16), SamplingParams(temperature=0.0))
+                  for i, p in enumerate(prompts)])
+        for _ in range(4):
+            bare.step()
+        launches = {"graphs": replay_costs({"target": target, "drafter": drafter}),
+                    "plain_round_parts": plain_variants(bare)}
+    else:
+        launches = {}
     plain_ms = arms["plain"]["wall_ms_per_step_median"]
     ratios = {f"{name}_over_plain_step": arm["wall_ms_per_step_median"] / plain_ms
               for name, arm in arms.items() if name != "plain"}
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."), "batch": args.batch,
               "steps": args.steps, "date": time.strftime("%Y-%m-%d"), "arms": arms,
-              **ratios}
+              **ratios, "launches": launches}
     write_results(args.out, result)
     print(json.dumps(result))
 
