@@ -243,6 +243,10 @@ def main() -> None:
                           args.warmup // 4, args.profile_steps, device),
     }
     if device.type == "cuda":  # what launching each captured graph costs the host, and why
+        # (fresh tables: graphs of the sessions above hold caches freed since; replaying one
+        # reads freed memory)
+        for module in (target, drafter):
+            draftsman.graphs._TABLES.pop(module, None)
         bare = SpecSession(target, drafter, None, max_len, policy=Bare(ARMS))
         bare.add([Request(i, p, StopRules(max_new_tokens=16), SamplingParams(temperature=0.0))
                   for i, p in enumerate(prompts)])
