@@ -303,7 +303,7 @@ class Scripted(AdaptivePolicy):
         self.schedule = list(schedule)
         self.log: list[tuple] = []
 
-    def choose(self, batch, ready=None, drain=None):
+    def choose(self, batch, ready=None):
         self.round += 1
         return self.schedule[min(self.round, len(self.schedule)) - 1]
 
@@ -645,46 +645,3 @@ def test_masks_see_no_slot_past_the_attention_limit(pair, monkeypatch):
                                                          (TREE.topk, session.caches[1].max_len),  # draft steps
                                                          (TREE.draft_tokens, session.caches[0].max_len),  # verify
                                                          (BACKLOG, session.caches[1].max_len)}  # catch-up
-
-
-def test_draining_batches_choose_by_when_the_slowest_row_finishes():
-    """With no request waiting, the arm whose slowest row finishes first: speculation that
-    yields more tokens per row on average still loses when some rows accept too little to
-    finish before plain decoding would (and wins when every row accepts alike)."""
-    policy = AdaptivePolicy([CHAIN, TREE], explore_every=1000)
-    costs, taus = {PLAIN: 1.0, CHAIN: 2.0, TREE: 2.8}, {PLAIN: 1, CHAIN: 2.5, TREE: 3.6}  # rates 1, 1.25, 1.29
-    feed(policy, 64, costs, taus, 10)
-    assert policy.choose(64) == TREE
-    alike = [(100, 1.0)]  # every row: 100 tokens left, the batch's acceptance: 100 / 3.6 x 2.8 x 1.1 = 86 < 100
-    assert policy.choose(64, drain=alike) == TREE
-    slow = [(100, 1.0), (90, 0.4)]  # a row at 0.4 of the batch's acceptance: tree 2.04 tokens a round, 136 > 100
-    assert policy.choose(64, drain=slow) is PLAIN
-    assert policy.choose(64, drain=alike) == TREE  # (TREE finishes 14% sooner: past switch_margin)
-
-
-def test_draining_session_reports_the_rows_that_decide_the_end(pair):
-    """SpecSession._drain: None while requests wait; else per row that no longer-budget row
-    out-accepts, (tokens left, acceptance over the batch's, shrunk towards it), longest first;
-    drive_session sets `waiting`."""
-    from draftsman.bench import drive_session
-    from draftsman.session import Request
-
-    target, drafter = pair
-    session = SpecSession(target, drafter, CHAIN, 200)
-    reqs = [Request(i, p, StopRules(max_new_tokens=n), SamplingParams(temperature=0.0))
-            for i, (p, n) in enumerate(zip(prompts() * 2, (50, 40, 30, 20), strict=True))]
-    session.add(reqs)
-    for r, (acc, rounds) in zip(reqs, ((8, 8), (2, 8), (16, 8), (0, 8)), strict=True):
-        r.accepted, r.histogram = acc, [rounds]
-    session.waiting = 3
-    assert session._drain() is None
-    session.waiting = 0
-    left = [r.rules.max_new_tokens - len(r.state.tokens) for r in reqs]  # (the prefill emitted one token each)
-    mean, k = 26 / 32, 8  # accepted per round over the batch; the prior's rounds
-    rel = [((a + k * mean) / (8 + k)) / mean for a in (8, 2, 16, 0)]
-    assert session._drain() == pytest.approx([(left[0], rel[0]), (left[1], rel[1]), (left[3], rel[3])])
-    session = SpecSession(target, drafter, CHAIN, 200)
-    seen = []
-    session.step = lambda step=session.step: seen.append(session.waiting) or step()
-    drive_session(session, [Request(i, p, StopRules(max_new_tokens=3)) for i, p in enumerate(prompts() * 2)], 2)
-    assert seen[0] == 2 and seen[-1] == 0

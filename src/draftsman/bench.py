@@ -441,7 +441,6 @@ def drive_session(session: DecodeSession, requests: Sequence[Request], max_runni
             joins.append((clock() - now, len(batch)))
         else:
             rows, before = session.num_running, clock()
-            session.waiting = len(queue)
             events = session.step()
             steps.append((clock() - before, rows))
         now = clock()

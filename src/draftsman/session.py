@@ -54,7 +54,6 @@ class Request:
     state: RowState = field(init=False)
     histogram: list[int] = field(default_factory=list)  # rounds by accepted drafts (speculation)
     drafted: int = 0  # draft tokens verified for this request, over all its rounds
-    accepted: int = 0  # ... and accepted
 
     def __post_init__(self) -> None:
         self.state = RowState(self.rules)
@@ -112,10 +111,6 @@ class DecodeSession(abc.ABC):
         # The longest row (prompt + tokens), asked several times a round (spans of each arm the
         # adaptive policy weighs): computed once per change of the rows or their tokens.
         self._changes = 0
-        # Requests the driver holds that join as rows free (set by drive_session and the server's
-        # scheduler; 0: the running rows are the last, which adaptive speculation then finishes
-        # as soon as it can rather than at the best rate per row: spec/adaptive.py).
-        self.waiting = 0
         self._longest: tuple[int, int] = (-1, 0)  # (_changes when computed, length)
         self._greedy: tuple[int, bool] = (-1, True)  # (_changes when computed, all_greedy)
 

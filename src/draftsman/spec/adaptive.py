@@ -36,16 +36,6 @@ mean per round of that arm, and an arm's rate is τ / (round time + join time pe
 speculation must beat plain decoding by `plain_margin` before the policy speculates: costs no
 estimate sees (the drafter's catch-up after plain stretches, re-measurements, a batch's slow
 tail when rows finish apart) fall on speculation.
-
-When no request waits to join (the session's `waiting` is 0: the running rows are the last of a
-burst or of a batch job), what counts is when the last of them finishes, not tokens per row:
-under plain decoding rows of one budget finish together, under speculation they finish apart,
-and the slowest-accepting rows decode alone through a tail of rounds that cost nearly what a
-full batch's do (on the H200 with the reference pair, 64 MT-bench prompts at batch 64: tree 16
-ran 25% more tokens per row per second than plain decoding at the full batch, and finished at
-0.95x). The session then passes each row's remaining budget and its acceptance relative to the
-batch's (`drain`), and the policy picks the captured arm that finishes the slowest row first:
-max over rows of remaining / (1 + (τ - 1) x the row's relative acceptance), times the round.
 """
 
 from __future__ import annotations
@@ -196,14 +186,11 @@ class AdaptivePolicy:
         """What choices compare: the rate, speculation's discounted by plain_margin."""
         return rate if arm is PLAIN else rate / (1 + self.plain_margin)
 
-    def choose(self, batch: int, ready: Callable[[SpecConfig | None], bool] | None = None,
-               drain: Sequence[tuple[int, float]] | None = None) -> SpecConfig | None:
+    def choose(self, batch: int, ready: Callable[[SpecConfig | None], bool] | None = None) -> SpecConfig | None:
         """The arm to run next at this batch size. ready(arm): whether running it now needs no
         CUDA graph capture (a capture costs several rounds, so re-measurements skip arms that
         would capture, and choosing one needs `capture_margin` over the best captured arm);
-        None: every arm is ready. drain: when no request waits to join, per running row (tokens
-        it may still emit, its acceptance over the batch's mean): the arm is then chosen by when
-        the last row would finish (see the module docstring)."""
+        None: every arm is ready."""
         self.round += 1
         b = bucket(batch)
         if b != self._bucket:
@@ -228,8 +215,6 @@ class AdaptivePolicy:
             if untried:
                 return untried[0]
         scores = {arm: self._score(arm, r) for arm, r in rates.items()}
-        if drain:
-            return self._drain_choice(b, rates, drain, is_ready)
         interval = self._interval.setdefault(b, self.explore_every)
         if self.round >= self._next.setdefault(b, self.round + interval):
             self._next[b] = self.round + interval
@@ -258,28 +243,6 @@ class AdaptivePolicy:
             self._next[b] = self.round + self._interval[b]
         self.current[b] = current
         return current
-
-    def _drain_choice(self, b: int, rates: dict, drain: Sequence[tuple[int, float]],
-                      is_ready: Callable[[SpecConfig | None], bool]) -> SpecConfig | None:
-        """The captured arm whose slowest row finishes first (no capture or re-measurement: the
-        batch ends soon), speculation's time inflated by plain_margin; the current arm stays
-        unless another finishes switch_margin sooner."""
-        finish = {}
-        for arm, rate in rates.items():
-            tau = self.tau(arm)
-            if rate is None or tau is None or not is_ready(arm):
-                continue
-            seconds = tau / rate  # per round (joins included)
-            rounds = max(left / (1.0 + (tau - 1.0) * rel) for left, rel in drain)
-            finish[arm] = rounds * seconds * (1.0 if arm is PLAIN else 1.0 + self.plain_margin)
-        if not finish:
-            return self.current.get(b, PLAIN)
-        best = min(finish, key=lambda arm: finish[arm])
-        current = self.current.get(b, best)
-        if current in finish and finish[best] * (1 + self.switch_margin) >= finish[current]:
-            best = current
-        self.current[b] = best
-        return best
 
     def _capture_pays(self, best: float, alt: float) -> bool:
         """Whether an arm scoring `best`, which needs a capture, pays for it against `alt`: the

@@ -43,11 +43,6 @@ if TYPE_CHECKING:
 
 # Plain rounds (adaptive speculation off) a drafter can catch up on when speculation resumes.
 BACKLOG = 64
-# Draining (no request waiting): a row's acceptance, relative to the batch's, is its own mean
-# shrunk towards the batch's by this many rounds' worth (a row's first rounds are noisy draws)...
-DRAIN_PRIOR_ROUNDS = 8
-# ... and the rows' summary is recomputed after this many rounds, or when a row leaves.
-DRAIN_REFRESH = 8
 # Per-row state a speculation round and a plain round (adaptive sessions) read and replace.
 ROUND_STATE = ("n", "root", "d_logits", "d_hidden")
 PLAIN_STATE = ("n", "root")
@@ -104,7 +99,6 @@ class SpecSession(DecodeSession):
         # may evict) or a capture fails.
         self._ready: dict[tuple, bool] = {}
         self._ready_captures: tuple[int, int] = (-1, -1)
-        self._drain_rows: tuple[int, int, list] | None = None  # (rows, _changes, _drain()) when made
 
     # ---- prefill ------------------------------------------------------------------------
     def _prefill(self, ids, lengths, sampling):
@@ -194,7 +188,7 @@ class SpecSession(DecodeSession):
             self._set_spans()
             return self._spec_round()[0]
         batch = len(self.rows)
-        arm = self.policy.choose(batch, ready=self._captured, drain=self._drain())
+        arm = self.policy.choose(batch, ready=self._captured)
         shape = (arm, pow2_ceil(batch))  # compiled forwards specialize on the padded batch
         compiling = self.compile and shape not in self._compiled_shapes
         self._compiled_shapes.add(shape)
@@ -224,29 +218,6 @@ class SpecSession(DecodeSession):
             self.policy.observe_capture(seconds)
         self.policy.observe(arm, batch, None if untimed else seconds, accepted)
         return events
-
-    def _drain(self) -> list[tuple[int, float]] | None:
-        """With no request waiting to join (`waiting` 0), the rows that decide when the batch
-        ends, for the policy: (tokens a row may still emit, its acceptance over the batch's), only
-        rows no other row outlasts with a lower acceptance (a few of the batch); else None."""
-        if self.waiting:
-            return None
-        made = self._drain_rows
-        if made is not None and made[0] == len(self.rows) and self._changes - made[1] < DRAIN_REFRESH:
-            return made[2]
-        stats = [(r.rules.max_new_tokens - len(r.state.tokens), r.accepted, sum(r.histogram)) for r in self.rows]
-        rounds = sum(n for _, _, n in stats)
-        mean = sum(a for _, a, _ in stats) / rounds if rounds else 0.0
-        k = DRAIN_PRIOR_ROUNDS
-        rows = sorted(((left, (a + k * mean) / (n + k) / mean if mean > 0 else 1.0) for left, a, n in stats),
-                      key=lambda row: -row[0])
-        front, lowest = [], float("inf")
-        for left, rel in rows:  # longest budgets first: keep a row only if it accepts less than every longer one
-            if rel < lowest and left > 0:
-                front.append((left, rel))
-                lowest = rel
-        self._drain_rows = (len(self.rows), self._changes, front)
-        return front
 
     # Graph keys of the static-shape steps, from the spec and spans they run with.
     def _round_key(self, spec: SpecConfig, t_span: int | None, d_span: int | None) -> tuple:
@@ -335,7 +306,6 @@ class SpecSession(DecodeSession):
         """Per-request statistics of a round: accepted drafts, and `drafted` tokens verified."""
         for row, a in zip(self.rows, lens, strict=True):
             row.drafted += drafted
-            row.accepted += a
             if len(row.histogram) <= self.max_steps:
                 row.histogram += [0] * (self.max_steps + 1 - len(row.histogram))
             row.histogram[a] += 1
