@@ -284,13 +284,14 @@ def decode_kernel_serves(model: nn.Module) -> bool:
     head layout (`kernel_heads()`) one the kernel serves. Such steps read only the slots below
     attention_limit, so sessions can size their masks for the whole cache
     (DecodeSession.span)."""
-    from draftsman.kernels.attention import fits_heads
-
     params = next(model.parameters(), None)
+    if not (DECODE_ATTENTION and params is not None and params.is_cuda
+            and params.dtype in (torch.bfloat16, torch.float16) and triton_available()):
+        return False
+    from draftsman.kernels.attention import fits_heads  # (imports Triton)
+
     heads = [m.kernel_heads() for m in model.modules() if hasattr(m, "kernel_heads")]
-    return (DECODE_ATTENTION and params is not None and params.is_cuda
-            and params.dtype in (torch.bfloat16, torch.float16) and triton_available() and bool(heads)
-            and all(fits_heads(*h) for h in heads))
+    return bool(heads) and all(fits_heads(*h) for h in heads)
 
 
 def attention_limit(cache_index: Tensor | None) -> Tensor | None:
