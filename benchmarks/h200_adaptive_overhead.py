@@ -31,7 +31,6 @@ import draftsman.session
 from draftsman.bench import load_prompt_set
 from draftsman.cli import resolve_device, resolve_dtype
 from draftsman.generate import StopRules
-from draftsman.graphs import graph_table
 from draftsman.sampling import SamplingParams
 from draftsman.session import PlainSession, Request
 from draftsman.spec.adaptive import PLAIN, AdaptivePolicy
@@ -155,7 +154,7 @@ def replay_costs(modules: dict) -> dict:
     """launch_us of every graph captured so far for these modules, by (module, step kind, rows)."""
     out = {}
     for name, module in modules.items():
-        for key, runner in graph_table(module).runners.items():
+        for key, runner in draftsman.graphs.graph_table(module).runners.items():
             kind, rows = key[0][0], key[1][0][1][0]  # (kind, ...), ((input, shape, dtype), ...)
             out[f"{name}:{kind}:{rows}:{len(out)}"] = launch_us(runner)
     return out
@@ -164,10 +163,8 @@ def replay_costs(modules: dict) -> dict:
 def plain_variants(session) -> dict:
     """launch_us of an adaptive session's plain-round step and of its parts, each captured alone
     over the session's target cache (which graph property makes a launch slow)."""
-    from draftsman.graphs import CudaGraphRunner
     from draftsman.models.layers import slot_mask
     from draftsman.sampling import greedy_argmax
-    from draftsman.session import padded
 
     cache, st = session.caches[0], session.tensors
     span = session.span(cache, 1)
@@ -180,13 +177,15 @@ def plain_variants(session) -> dict:
     variants = {
         "decode_logits": lambda n, root: run(n, root).logits,
         "decode_argmax": lambda n, root: greedy_argmax(run(n, root).logits[:, 0]),
-        "decode_aux": lambda n, root: (lambda o: (o.logits, torch.cat(o.aux_hidden, -1)))(run(n, root, session.aux_ids)),
+        "decode_aux": lambda n, root: (lambda o: (o.logits, torch.cat(o.aux_hidden, -1)))(
+            run(n, root, session.aux_ids)),
         "plain_round_step": session._greedy_plain,
     }
     out = {}
-    with padded(session.caches[:1], rows):
+    with draftsman.session.padded(session.caches[:1], rows):
         for name, fn in variants.items():
-            out[name] = launch_us(CudaGraphRunner(fn, {"n": st["n"][:rows], "root": st["root"][:rows]}))
+            inputs = {"n": st["n"][:rows], "root": st["root"][:rows]}
+            out[name] = launch_us(draftsman.graphs.CudaGraphRunner(fn, inputs))
     return out
 
 

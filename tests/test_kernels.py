@@ -527,7 +527,8 @@ for b, h, hkv, d, t, splits, block_t, limits in ((3, 8, 2, 16, 4, None, None, (5
     k, v = torch.randn(b, s, hkv, d, generator=g), torch.randn(b, s, hkv, d, generator=g)
     mask = torch.rand(b, t, s, generator=g) < 0.7
     past = torch.arange(s)[None, :] >= lim[:, None]  # [B, S]
-    bad_k, bad_v = k.masked_fill(past[..., None, None], float("nan")), v.masked_fill(past[..., None, None], float("nan"))
+    nan = past[..., None, None]
+    bad_k, bad_v = k.masked_fill(nan, float("nan")), v.masked_fill(nan, float("nan"))
     got = decode_attention(q, bad_k, bad_v, mask, d ** -0.5, block_s=16, splits=splits, block_t=block_t, limit=lim)
     check(got, q, k, v, mask & ~past[:, None], d ** -0.5)
     latent = torch.randn(b, s, 1, d + 16, generator=g).masked_fill(past[..., None, None], float("nan"))

@@ -7,9 +7,10 @@ when verifying a 64-token draft tree. Here each program reads its share of one K
 once for all the query rows that share it (flash-decoding: slots split across programs, each
 keeping an online softmax), and a small combine kernel weighs the splits by their maxima and
 normalizers (with one split the kernel writes the output itself: no partials, no second launch;
-a PyTorch combine was ~10 small kernels per layer in eager CUDA graphs). The tile's rows are (token, query head of the group) pairs: one token's G heads in
-a decode step, a block of tokens of a verified tree otherwise (programs over row, KV head, block
-of tokens and split of slots), each row masked by its own token's mask row.
+a PyTorch combine was ~10 small kernels per layer in eager CUDA graphs). The tile's rows are
+(token, query head of the group) pairs: one token's G heads in a decode step, a block of tokens
+of a verified tree otherwise (programs over row, KV head, block of tokens and split of slots),
+each row masked by its own token's mask row.
 
 Multi-head latent attention (DeepSeek) attends in the absorbed form with one KV head that is
 [latent | rope] wide (576: not a power of two) and whose values are the latent itself: the
@@ -75,8 +76,9 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, acc_ptr, stat_ptr, out_
                              stride_qrb, stride_qrt, stride_qrh, stride_krb, stride_krs, stride_krh,
                              HKV: tl.constexpr, SPLITS: tl.constexpr, G: tl.constexpr, BLOCK_T: tl.constexpr,
                              BLOCK_M: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
-                             V_IS_K: tl.constexpr, BLOCK_S: tl.constexpr, S_ITERS: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                             DYNAMIC: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr):
+                             V_IS_K: tl.constexpr, BLOCK_S: tl.constexpr, S_ITERS: tl.constexpr,
+                             HAS_LIMIT: tl.constexpr, DYNAMIC: tl.constexpr, DIRECT: tl.constexpr,
+                             PRECISION: tl.constexpr):
     pid = tl.program_id(0)  # (batch row, kv head, block of tokens)
     split = tl.program_id(1)
     b = pid // (HKV * TB)
@@ -215,17 +217,18 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor | None, mask: Tensor, scale
                          f"[{b}] int32 on {q.device}")
     direct = splits == 1 and out_proj is None  # no partials to combine: the kernel writes the output
     out = torch.empty(b, t, h, dv, dtype=q.dtype, device=q.device) if out_proj is None else None
+    # (direct: no partials, the kernel's acc/stat pointers go unused)
     acc = out if direct else torch.empty(b, hkv, tb, splits, block_m, dv, dtype=torch.float32, device=q.device)
     stat = out if direct else torch.empty(b, hkv, tb, splits, block_m, 2, dtype=torch.float32, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # (bf16/fp16 dots ignore it)
-    _decode_attention_kernel[(b * hkv * tb, splits)](
-        q, k, v, mask, acc, stat, q if out is None else out, qr, kr, q if limit is None else limit, t, tb, s, scale, q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        mask.stride(0), mask.stride(1), mask.stride(2), qr.stride(0), qr.stride(1), qr.stride(2),
+    _decode_attention_kernel[(b * hkv * tb, splits)](  # (unused pointers get q)
+        q, k, v, mask, acc, stat, q if out is None else out, qr, kr, q if limit is None else limit, t, tb, s, scale,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), mask.stride(0), mask.stride(1), mask.stride(2), qr.stride(0), qr.stride(1), qr.stride(2),
         kr.stride(0), kr.stride(1), kr.stride(2), HKV=hkv, SPLITS=splits, G=g, BLOCK_T=block_t, BLOCK_M=block_m,
         D=d, DV=dv, DR=0 if rope is None else qr.shape[-1], V_IS_K=v_is_k, BLOCK_S=block_s, S_ITERS=iters,
-        DYNAMIC=os.environ.get("TRITON_INTERPRET") != "1",
-        HAS_LIMIT=limit is not None, DIRECT=direct, PRECISION=precision, num_warps=num_warps or (4 if d <= 256 else 8))
+        DYNAMIC=os.environ.get("TRITON_INTERPRET") != "1", HAS_LIMIT=limit is not None, DIRECT=direct,
+        PRECISION=precision, num_warps=num_warps or (4 if d <= 256 else 8))
     if out_proj is not None:
         return combine_project(acc, stat, out_proj, g, t, block_t, q.dtype)
     if not direct:

@@ -114,7 +114,7 @@ class TargetModel(nn.Module, ABC):
         self._check_aux_ids(aux_layer_ids)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        ctx = AttnContext(cos, sin, attn_mask, cache, cache_index, attention_limit(cache_index if cache is not None else None))
+        ctx = AttnContext(cos, sin, attn_mask, cache, cache_index, attention_limit(cache, cache_index))
         captured: dict[int, Tensor] = {}
         wanted = set(aux_layer_ids)
         for i, layer in enumerate(self.layers):

@@ -235,7 +235,7 @@ class Eagle3Drafter(nn.Module):
         dtype = self.fc.weight.dtype
         embeds = self.embed(input_ids).to(dtype)
         cos, sin = self.rotary(positions, dtype)
-        ctx = AttnContext(cos, sin, attn_mask, cache, cache_index, attention_limit(cache_index if cache is not None else None))
+        ctx = AttnContext(cos, sin, attn_mask, cache, cache_index, attention_limit(cache, cache_index))
         out = self.midlayer(embeds, hidden.to(dtype), ctx)
         return self.compute_logits(out), out
 

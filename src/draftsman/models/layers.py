@@ -294,13 +294,13 @@ def decode_kernel_serves(model: nn.Module) -> bool:
     return bool(heads) and all(fits_heads(*h) for h in heads)
 
 
-def attention_limit(cache_index: Tensor | None) -> Tensor | None:
+def attention_limit(cache: object | None, cache_index: Tensor | None) -> Tensor | None:
     """[B] int32: one past the highest cache slot each row writes in this forward, or None
     (no cache, or off CUDA, where the decode-attention kernel does not run). The models'
     contract (TargetModel.run): a token sees no slot past the highest one its row writes, as
     every mask draftsman builds (slots up to the token's own; a tree's ancestors, written before
     it), so the kernel reads only the slots below this."""
-    if cache_index is None or not cache_index.is_cuda:
+    if cache is None or cache_index is None or not cache_index.is_cuda:
         return None
     return (cache_index.amax(1) + 1).to(torch.int32)
 
