@@ -150,11 +150,14 @@ def launch_us(runner, reps: int = 50) -> dict:
     return {"launch_us": statistics.median(launch) * 1e6, "replay_us": statistics.median(whole) * 1e6}
 
 
-def replay_costs(modules: dict) -> dict:
-    """launch_us of every graph captured so far for these modules, by (module, step kind, rows)."""
+def replay_costs(modules: dict, skip: frozenset = frozenset()) -> dict:
+    """launch_us of every graph captured so far for these modules (but those whose runner is in
+    `skip`), by (module, step kind, rows)."""
     out = {}
     for name, module in modules.items():
         for key, runner in draftsman.graphs.graph_table(module).runners.items():
+            if runner in skip:
+                continue
             kind, rows = key[0][0], key[1][0][1][0]  # (kind, ...), ((input, shape, dtype), ...)
             out[f"{name}:{kind}:{rows}:{len(out)}"] = launch_us(runner)
     return out
@@ -189,8 +192,15 @@ def plain_variants(session) -> dict:
     return out
 
 
+def runners(session) -> frozenset:
+    """The graph runners of the session's modules captured so far."""
+    modules = [session.target, getattr(session, "drafter", None)]
+    return frozenset(r for m in modules if m is not None for r in draftsman.graphs.graph_table(m).runners.values())
+
+
 def run_arm(session, prompts: list[list[int]], steps: int, warmup: int, profile_steps: int,
-            device: torch.device) -> dict:
+            device: torch.device, kernels: bool = False) -> dict:
+    earlier = runners(session) if device.type == "cuda" else frozenset()
     rules = StopRules(max_new_tokens=warmup + steps + 2 * profile_steps + 8)
     session.add([Request(i, p, rules, SamplingParams(temperature=0.0)) for i, p in enumerate(prompts)])
     for _ in range(warmup):  # captures every graph the timed steps replay (spans included)
@@ -208,7 +218,11 @@ def run_arm(session, prompts: list[list[int]], steps: int, warmup: int, profile_
         plain = [r for r in policy.summary() if r["arm"] == "plain" and r["round_ms"] is not None]
         out["policy_plain_round_ms"] = plain[-1]["round_ms"] if plain else None
     out["host_us_per_step"] = host_parts(session, profile_steps)
-    out |= kernel_profile(session, profile_steps, device)
+    if kernels:
+        out |= kernel_profile(session, profile_steps, device)
+    if device.type == "cuda":  # this arm's own graphs, launched alone while its caches live
+        modules = {"target": session.target, "drafter": getattr(session, "drafter", None)}
+        out["launches"] = replay_costs({k: m for k, m in modules.items() if m is not None}, skip=earlier)
     return out
 
 
@@ -221,6 +235,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=200, help="untimed steps first: they capture the graphs of the "
                     "spans the timed steps meet (spans double with the rows' length)")
     ap.add_argument("--profile-steps", type=int, default=20)
+    ap.add_argument("--kernel-profile", action="store_true",
+                    help="also each arm's kernels from torch.profiler: once it has run, every CUDA graph launch in "
+                         "the process costs ~170 us more host time (CUPTI stays attached; 5 -> 175 us for a "
+                         "512-kernel graph in results/h200_graph_launch.json), so the later arms' host figures "
+                         "and every launch time measured after it are inflated")
     ap.add_argument("--out")
     args = ap.parse_args()
     device = resolve_device(args.device)
@@ -233,13 +252,14 @@ def main() -> None:
     prompts = [encode_prompt(tok, texts[i % len(texts)], chat=True) for i in range(args.batch)]
     max_len = max(map(len, prompts)) + args.warmup + args.steps + 2 * args.profile_steps + 16
     arms = {
-        "plain": run_arm(PlainSession(target, max_len), prompts, args.steps, args.warmup, args.profile_steps, device),
+        "plain": run_arm(PlainSession(target, max_len), prompts, args.steps, args.warmup, args.profile_steps, device,
+                         args.kernel_profile),
         "adaptive_plain": run_arm(SpecSession(target, drafter, None, max_len, policy=PlainOnly(ARMS)), prompts,
-                                  args.steps, args.warmup, args.profile_steps, device),
+                                  args.steps, args.warmup, args.profile_steps, device, args.kernel_profile),
         "adaptive_bare": run_arm(SpecSession(target, drafter, None, max_len, policy=Bare(ARMS)), prompts,
-                                 args.steps, args.warmup, args.profile_steps, device),
+                                 args.steps, args.warmup, args.profile_steps, device, args.kernel_profile),
         "tree16": run_arm(SpecSession(target, drafter, ARMS[2], max_len), prompts, args.steps // 4,
-                          args.warmup // 4, args.profile_steps, device),
+                          args.warmup // 4, args.profile_steps, device, args.kernel_profile),
     }
     if device.type == "cuda":  # what launching each captured graph costs the host, and why
         # (fresh tables: graphs of the sessions above hold caches freed since; replaying one

@@ -192,7 +192,14 @@ def profile_step(step, inputs: dict, steps: int = 5, top: int = 30) -> list[dict
             for e in prof.key_averages() if e.self_device_time_total > 0]
     rows.sort(key=lambda r: -r["us_per_step"])
     total = sum(r["us_per_step"] for r in rows)
-    return [{"total_us_per_step": total}, *rows[:top]]
+    # Each attention and combine call of the last step, in launch order (target layers and
+    # drafter forwards differ in tokens and slots: their sum hides which is slow)
+    calls: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and ("attention" in e.name or "combine" in e.name):
+            calls.setdefault(e.name[:60], []).append(round(e.device_time, 2))
+    last = {k: v[-len(v) // steps:] for k, v in calls.items()}
+    return [{"total_us_per_step": total, "attention_calls_last_step_us": last}, *rows[:top]]
 
 
 def graph_arm(model, prompt: torch.Tensor, n: int, compiled: bool, profile: bool = False,

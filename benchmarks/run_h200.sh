@@ -42,6 +42,12 @@ step gemv_fused 120 python3 benchmarks/h200_gemv.py --fused-only --out "$OUT/gem
 step gemv 200 python3 benchmarks/h200_gemv.py --out "$OUT/gemv_8b.json"
 step gemv_moonlight 200 python3 benchmarks/h200_moonlight_gemv.py --out "$OUT/gemv_moonlight.json"
 step tree_attention 240 python3 benchmarks/h200_tree_attention.py --out "$OUT/tree_attention.json"
+step graph_launch 120 python3 benchmarks/h200_graph_launch.py --out "$OUT/graph_launch.json"
+step attention_diag 200 python3 benchmarks/h200_attention_diag.py --cache 705,4096 --used 256 --tokens 1,8,64 \
+  --out "$OUT/attention_diag.json"
+step attention_ncu 200 ncu --clock-control none --kernel-name regex:_decode_attention_kernel --launch-count 2 \
+  --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+  --section MemoryWorkloadAnalysis python3 benchmarks/h200_attention_diag.py --tokens 64 --used 256
 step batch 420 python3 benchmarks/h200_batch.py --out "$OUT/batch.json" --h200-json "$H"
 step adaptive_overhead 150 python3 benchmarks/h200_adaptive_overhead.py --out "$OUT/adaptive_overhead.json"
 step batch_steady 200 python3 benchmarks/h200_batch.py --steady --out "$OUT/batch_steady.json" --h200-json "$H"

@@ -538,6 +538,14 @@ for b, h, hkv, d, t, splits, block_t, limits in ((3, 8, 2, 16, 4, None, None, (5
     clean = latent.nan_to_num(0.0)
     want = torch.nan_to_num(attention(q, clean[..., :d], None, mask & ~past[:, None], 0.1, rope=(qr, clean[..., d:])))
     torch.testing.assert_close(got, torch.einsum("bthr,hvr->bthv", want, w_uv), rtol=2e-5, atol=2e-5)
+# Inside torch.compile the call is one operator (draftsman::decode_attention): the same launches
+b, t, s = 2, 16, 50
+q, k, v = torch.randn(b, t, 8, 16, generator=g), torch.randn(b, s, 2, 16, generator=g), torch.randn(b, s, 2, 16, generator=g)
+mask, lim = tree_mask(b, t, 30, s), torch.tensor([46, 40], dtype=torch.int32)
+eager = decode_attention(q, k, v, mask, 0.25, block_s=16, limit=lim)
+compiled = torch.compile(lambda q, k, v, mask, lim: decode_attention(q, k, v, mask, 0.25, block_s=16, limit=lim),
+                         fullgraph=True)
+assert torch.equal(compiled(q, k, v, mask, lim), eager)
 print("ok")
 """
 
@@ -586,6 +594,9 @@ def test_tree_attention_matches_sdpa_on_cuda(t, s):
     got = decode_attention(q, k, v, mask, 128 ** -0.5)
     assert got.dtype == torch.bfloat16 and got.shape == (1, t, 32, 128)
     torch.testing.assert_close(got.float(), _sdpa_fp32(q, k, v, mask, 128 ** -0.5), rtol=2e-2, atol=2e-2)
+    # inside torch.compile: one operator, the same launches
+    compiled = torch.compile(lambda q, k, v, mask: decode_attention(q, k, v, mask, 128 ** -0.5), fullgraph=True)
+    assert torch.equal(compiled(q, k, v, mask), got)
 
 
 @pytest.mark.gpu
