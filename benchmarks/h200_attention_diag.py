@@ -6,8 +6,8 @@ limit, as the engine calls it in a round, with variants that leave one part out.
 
 Each case is device us per call (20 calls in one CUDA graph, replayed), for: the default call;
 one split (no combine: the kernel alone); a mask shared by all tokens ([1, 1, S]: no per-row
-mask loads); num_stages 1/2/3/4; slots per block; the split combine with one program per query head
-(before session 12's grouped one); the call inside torch.compile (an operator since session 12).
+mask loads); num_stages 1/2/3/4; slots per block; the call inside torch.compile (an operator since
+session 12).
 Also the registers and spills of each compiled kernel.
 """
 
@@ -36,7 +36,8 @@ def compiled_kernels() -> list[dict]:
             kernels = cache[0] if isinstance(cache, tuple) else cache
             for k in kernels.values():
                 md = getattr(k, "metadata", None)
-                out.append({"kernel": name, "n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None),
+                out.append({"kernel": name, "n_regs": getattr(k, "n_regs", None),
+                            "n_spills": getattr(k, "n_spills", None),
                             "num_warps": getattr(md, "num_warps", None), "num_stages": getattr(md, "num_stages", None),
                             "shared": getattr(md, "shared", None),
                             "constants": str({c: v for c, v in getattr(md, "constants", {}).items()})[:300]})
@@ -77,14 +78,6 @@ def main() -> None:
             cases[f"stages{st}"] = partial(base, num_stages=st)
         for bs in (32, 128):
             cases[f"block_s{bs}"] = partial(base, block_s=bs)
-        def per_head_combine(fn=base):  # the combine with one program per query head (before session 12)
-            attn.GROUPED_COMBINE = False
-            try:
-                return fn()
-            finally:
-                attn.GROUPED_COMBINE = True
-
-        cases["per_head_combine"] = per_head_combine
         # as the engine's compiled forwards call it (torch.compile around the call)
         compiled = torch.compile(lambda q, k, v, mask, limit: attn.decode_attention(q, k, v, mask, scale,
                                                                                    limit=limit), fullgraph=True)

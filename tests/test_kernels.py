@@ -540,7 +540,8 @@ for b, h, hkv, d, t, splits, block_t, limits in ((3, 8, 2, 16, 4, None, None, (5
     torch.testing.assert_close(got, torch.einsum("bthr,hvr->bthv", want, w_uv), rtol=2e-5, atol=2e-5)
 # Inside torch.compile the call is one operator (draftsman::decode_attention): the same launches
 b, t, s = 2, 16, 50
-q, k, v = torch.randn(b, t, 8, 16, generator=g), torch.randn(b, s, 2, 16, generator=g), torch.randn(b, s, 2, 16, generator=g)
+q = torch.randn(b, t, 8, 16, generator=g)
+k, v = torch.randn(b, s, 2, 16, generator=g), torch.randn(b, s, 2, 16, generator=g)
 mask, lim = tree_mask(b, t, 30, s), torch.tensor([46, 40], dtype=torch.int32)
 eager = decode_attention(q, k, v, mask, 0.25, block_s=16, limit=lim)
 compiled = torch.compile(lambda q, k, v, mask, lim: decode_attention(q, k, v, mask, 0.25, block_s=16, limit=lim),

@@ -174,7 +174,8 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor | None, mask: Tensor, scale
     heads). Programs run over (row, KV head, block of block_t tokens) x splits along the slots.
     splits: default enough for about SM_TARGET programs; block_s: slots per iteration (default
     64, 32 for heads over 256 wide); block_t: tokens per program (default: as many as fill
-    tile_rows with their G heads each); num_warps: default 4, 8 for heads over 256 wide; num_stages: Triton's default when None.
+    tile_rows with their G heads each); num_warps: default 4, 8 for heads over 256 wide;
+    num_stages: Triton's default when None.
     out_proj [H, N, Dv] (any strides, last dim contiguous; MLA's absorbed value projection): the
     result is instead [B, T, H, N] = per head out_proj[h] @ (the attention output rounded to q's
     dtype), merged with the split combine in one kernel (combine_project).
@@ -183,9 +184,10 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor | None, mask: Tensor, scale
     sized for S. A CUDA graph captured over the whole cache then costs ~what the slots in use
     cost, and one graph serves a row's whole life instead of one per span.
 
-    Under torch.compile the call is one opaque operator (draftsman::decode_attention): compiled
-    as a user kernel inside Inductor's code, the 64-token tree call took 23 us on the H200
-    where the same kernel launched by Triton takes ~9 us (benchmarks/README.md, session 12)."""
+    Under torch.compile the call is one opaque operator (draftsman::decode_attention) whose
+    launches Triton makes as in eager code: compiled by Inductor as a user kernel, the 64-token
+    tree call took 23 us a layer in the compiled 8B round on the H200, 13.4 us as the operator
+    (benchmarks/README.md, session 12)."""
     if torch.compiler.is_compiling():
         q_rope, k_rope = (None, None) if rope is None else rope
         return torch.ops.draftsman.decode_attention(q, k, v, mask, scale, q_rope, k_rope, out_proj, limit, block_s,
@@ -241,7 +243,8 @@ def _decode_attention(q: Tensor, k: Tensor, v: Tensor | None, mask: Tensor, scal
     _decode_attention_kernel[(b * hkv * tb, splits)](  # (unused pointers get q)
         q, k, v, mask, acc, stat, q if out is None else out, qr, kr, q if limit is None else limit, t, tb, s, scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), mask.stride(0), mask.stride(1), mask.stride(2), qr.stride(0), qr.stride(1), qr.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), mask.stride(0), mask.stride(1), mask.stride(2),
+        qr.stride(0), qr.stride(1), qr.stride(2),
         kr.stride(0), kr.stride(1), kr.stride(2), HKV=hkv, SPLITS=splits, G=g, BLOCK_T=block_t, BLOCK_M=block_m,
         D=d, DV=dv, DR=0 if rope is None else qr.shape[-1], V_IS_K=v_is_k, BLOCK_S=block_s, S_ITERS=iters,
         DYNAMIC=os.environ.get("TRITON_INTERPRET") != "1", HAS_LIMIT=limit is not None, DIRECT=direct,
@@ -250,7 +253,7 @@ def _decode_attention(q: Tensor, k: Tensor, v: Tensor | None, mask: Tensor, scal
     if out_proj is not None:
         return combine_project(acc, stat, out_proj, g, t, block_t, q.dtype)
     if not direct:
-        (combine_grouped if GROUPED_COMBINE else combine_project)(acc, stat, None, g, t, block_t, q.dtype, out=out)
+        combine_project(acc, stat, None, g, t, block_t, q.dtype, out=out)
     return out
 
 
@@ -313,47 +316,6 @@ def combine_project(acc: Tensor, stat: Tensor, w: Tensor | None, g: int, t: int,
         BLOCK_N=block_n, PROJECT=w is not y, num_warps=4)
     return y
 
-
-
-# One program per (row, token, KV head) for the plain combine: a 64-token tree at 8B's heads
-# (2048 rows of 4 splits) took 7.3 us a call with one program per query head.
-GROUPED_COMBINE = True
-
-
-@triton.jit
-def _combine_grouped_kernel(acc_ptr, stat_ptr, y_ptr, T, TB, HKV: tl.constexpr, SPLITS: tl.constexpr,
-                            SPLITS_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                            BLOCK_M: tl.constexpr, DV: tl.constexpr):
-    pid = tl.program_id(0)  # (batch row, token, KV head): G rows of y
-    bt, hk = pid // HKV, pid % HKV
-    b, t = bt // T, bt % T
-    sp = tl.arange(0, SPLITS_PAD)
-    g = tl.arange(0, G_PAD)
-    ok = (sp[:, None] < SPLITS) & (g[None, :] < G)  # [splits, heads]
-    base = ((b * HKV + hk) * TB + t // BLOCK_T) * SPLITS + sp
-    tile_row = base[:, None] * BLOCK_M + (t % BLOCK_T) * G + g[None, :]
-    m = tl.load(stat_ptr + tile_row * 2, mask=ok, other=float("-inf"))
-    z = tl.load(stat_ptr + tile_row * 2 + 1, mask=ok, other=0.0)
-    top = tl.max(m, axis=0)
-    w = tl.exp(m - tl.where(top == float("-inf"), 0.0, top)[None, :])  # 0 for splits that saw nothing
-    den = tl.sum(z * w, axis=0)
-    r = tl.arange(0, DV)
-    part = tl.load(acc_ptr + tile_row[:, :, None] * DV + r[None, None, :], mask=ok[:, :, None], other=0.0)
-    o = tl.sum(part * w[:, :, None], axis=0) / tl.maximum(den, 1e-30)[:, None]
-    o = tl.where(den[:, None] > 0, o, 0.0)
-    row = bt * (HKV * G) + hk * G + g
-    tl.store(y_ptr + row[:, None] * DV + r[None, :], o.to(y_ptr.dtype.element_ty), mask=(g < G)[:, None])
-
-
-def combine_grouped(acc: Tensor, stat: Tensor, w: None, g: int, t: int, block_t: int, dtype: torch.dtype,
-                    out: Tensor | None = None) -> Tensor:
-    """combine_project without a projection (w None), one program per row, token and KV head."""
-    b, hkv, tb, splits, block_m, dv = acc.shape
-    y = torch.empty(b, t, hkv * g, dv, dtype=dtype, device=acc.device) if out is None else out
-    _combine_grouped_kernel[(b * t * hkv,)](
-        acc, stat, y, t, tb, HKV=hkv, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), G=g,
-        G_PAD=triton.next_power_of_2(g), BLOCK_T=block_t, BLOCK_M=block_m, DV=dv, num_warps=4)
-    return y
 
 
 # decode_attention as one operator for torch.compile (see its docstring): a schema, the launches
