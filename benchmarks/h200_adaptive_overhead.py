@@ -199,9 +199,12 @@ def runners(session) -> frozenset:
 
 
 def run_arm(session, prompts: list[list[int]], steps: int, warmup: int, profile_steps: int,
-            device: torch.device, kernels: bool = False) -> dict:
+            device: torch.device, kernels: bool = False, tokens_per_step: int = 1) -> dict:
+    """tokens_per_step: the most tokens a step emits per row (a speculative round: steps + 1), so
+    no row finishes before the last profiled step (sessions 11-12 gave the tree arm one token a
+    step: its rows were done before the timed steps ended)."""
     earlier = runners(session) if device.type == "cuda" else frozenset()
-    rules = StopRules(max_new_tokens=warmup + steps + 2 * profile_steps + 8)
+    rules = StopRules(max_new_tokens=tokens_per_step * (warmup + steps + 2 * profile_steps) + 8)
     session.add([Request(i, p, rules, SamplingParams(temperature=0.0)) for i, p in enumerate(prompts)])
     for _ in range(warmup):  # captures every graph the timed steps replay (spans included)
         session.step()
@@ -250,7 +253,9 @@ def main() -> None:
     tok = load_tokenizer(target_dir)
     texts = load_prompt_set("mt-bench")
     prompts = [encode_prompt(tok, texts[i % len(texts)], chat=True) for i in range(args.batch)]
-    max_len = max(map(len, prompts)) + args.warmup + args.steps + 2 * args.profile_steps + 16
+    tree = ARMS[2]
+    tree_tokens = (tree.steps + 1) * (args.warmup // 4 + args.steps // 4 + 2 * args.profile_steps)
+    max_len = max(map(len, prompts)) + max(args.warmup + args.steps + 2 * args.profile_steps, tree_tokens) + 16
     arms = {
         "plain": run_arm(PlainSession(target, max_len), prompts, args.steps, args.warmup, args.profile_steps, device,
                          args.kernel_profile),
@@ -258,8 +263,8 @@ def main() -> None:
                                   args.steps, args.warmup, args.profile_steps, device, args.kernel_profile),
         "adaptive_bare": run_arm(SpecSession(target, drafter, None, max_len, policy=Bare(ARMS)), prompts,
                                  args.steps, args.warmup, args.profile_steps, device, args.kernel_profile),
-        "tree16": run_arm(SpecSession(target, drafter, ARMS[2], max_len), prompts, args.steps // 4,
-                          args.warmup // 4, args.profile_steps, device, args.kernel_profile),
+        "tree16": run_arm(SpecSession(target, drafter, tree, max_len), prompts, args.steps // 4,
+                          args.warmup // 4, args.profile_steps, device, args.kernel_profile, tree.steps + 1),
     }
     if device.type == "cuda":  # what launching each captured graph costs the host, and why
         # (fresh tables: graphs of the sessions above hold caches freed since; replaying one
