@@ -196,7 +196,8 @@ def profile_step(step, inputs: dict, steps: int = 5, top: int = 30) -> list[dict
     # drafter forwards differ in tokens and slots: their sum hides which is slow)
     calls: dict[str, list[float]] = {}
     for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and ("attention" in e.name or "combine" in e.name):
+        # (by prefix: Inductor names fused kernels after the ops they hold, decode_attention among them)
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.name.startswith(("_decode_attention", "_combine")):
             calls.setdefault(e.name[:60], []).append(round(e.device_time, 2))
     last = {k: v[-len(v) // steps:] for k, v in calls.items()}
     return [{"total_us_per_step": total, "attention_calls_last_step_us": last}, *rows[:top]]
