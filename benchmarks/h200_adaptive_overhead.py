@@ -9,9 +9,11 @@ On the H200 the adaptive arm's plain rounds read 2.51 ms against 1.99 ms per pla
 batch 64 (results/h200_batch_16_64_median.json). A third arm, `adaptive_bare`, runs the adaptive
 session's plain rounds without the policy's work (no rates, no readiness questions). Per arm this
 prints: wall ms per step (the catch-ups included), the policy's round clock (adaptive), host
-microseconds per step in the session's and policy's methods (HOST_PARTS), and from
-torch.profiler over --profile-steps steps the kernels and their time per step, so the gap splits
-into device work and host work. One JSON line; --out keeps it.
+microseconds per step in the session's and policy's methods (HOST_PARTS), the host cost of
+launching each of its graphs alone, and with --kernel-profile from torch.profiler over
+--profile-steps steps the kernels and their time per step (off by default: once the profiler
+has run, every later graph launch in the process costs ~170 us more, which session 11 read as
+the adaptive rounds' own cost). One JSON line; --out keeps it.
 """
 
 from __future__ import annotations
