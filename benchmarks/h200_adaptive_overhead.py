@@ -165,35 +165,6 @@ def replay_costs(modules: dict, skip: frozenset = frozenset()) -> dict:
     return out
 
 
-def plain_variants(session) -> dict:
-    """launch_us of an adaptive session's plain-round step and of its parts, each captured alone
-    over the session's target cache (which graph property makes a launch slow)."""
-    from draftsman.models.layers import slot_mask
-    from draftsman.sampling import greedy_argmax
-
-    cache, st = session.caches[0], session.tensors
-    span = session.span(cache, 1)
-    rows = len(session.rows)
-
-    def run(n, root, aux=()):
-        return session.t_run(root[:, None], cache=cache, positions=n[:, None], attn_mask=slot_mask(n[:, None], span),
-                             aux_layer_ids=aux)
-
-    variants = {
-        "decode_logits": lambda n, root: run(n, root).logits,
-        "decode_argmax": lambda n, root: greedy_argmax(run(n, root).logits[:, 0]),
-        "decode_aux": lambda n, root: (lambda o: (o.logits, torch.cat(o.aux_hidden, -1)))(
-            run(n, root, session.aux_ids)),
-        "plain_round_step": session._greedy_plain,
-    }
-    out = {}
-    with draftsman.session.padded(session.caches[:1], rows):
-        for name, fn in variants.items():
-            inputs = {"n": st["n"][:rows], "root": st["root"][:rows]}
-            out[name] = launch_us(draftsman.graphs.CudaGraphRunner(fn, inputs))
-    return out
-
-
 def runners(session) -> frozenset:
     """The graph runners of the session's modules captured so far."""
     modules = [session.target, getattr(session, "drafter", None)]
@@ -268,27 +239,13 @@ def main() -> None:
         "tree16": run_arm(SpecSession(target, drafter, tree, max_len), prompts, args.steps // 4,
                           args.warmup // 4, args.profile_steps, device, args.kernel_profile, tree.steps + 1),
     }
-    if device.type == "cuda":  # what launching each captured graph costs the host, and why
-        # (fresh tables: graphs of the sessions above hold caches freed since; replaying one
-        # reads freed memory)
-        for module in (target, drafter):
-            draftsman.graphs._TABLES.pop(module, None)
-        bare = SpecSession(target, drafter, None, max_len, policy=Bare(ARMS))
-        bare.add([Request(i, p, StopRules(max_new_tokens=16), SamplingParams(temperature=0.0))
-                  for i, p in enumerate(prompts)])
-        for _ in range(4):
-            bare.step()
-        launches = {"graphs": replay_costs({"target": target, "drafter": drafter}),
-                    "plain_round_parts": plain_variants(bare)}
-    else:
-        launches = {}
     plain_ms = arms["plain"]["wall_ms_per_step_median"]
     ratios = {f"{name}_over_plain_step": arm["wall_ms_per_step_median"] / plain_ms
               for name, arm in arms.items() if name != "plain"}
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."), "batch": args.batch,
               "steps": args.steps, "date": time.strftime("%Y-%m-%d"), "arms": arms,
-              **ratios, "launches": launches}
+              **ratios}
     write_results(args.out, result)
     print(json.dumps(result))
 

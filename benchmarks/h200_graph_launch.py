@@ -25,6 +25,9 @@ import torch
 import triton
 import triton.language as tl
 from h200_json import write_results  # benchmarks/ is on sys.path when run as a script
+from h200_tree_attention import device_us
+
+from draftsman.graphs import CudaGraphRunner
 
 
 @triton.jit
@@ -60,24 +63,9 @@ def body_of(kind: str, n: int):
 def capture(n: int, kind: str, pool=None) -> tuple[torch.cuda.CUDAGraph, float]:
     """A graph of n nodes of `kind` (body_of) and its device time in us."""
     body, keep = body_of(kind, n)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        body()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool):
-        body()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
+    g = CudaGraphRunner(body, {}, warmup=1, pool=pool).graph
     g._keep = keep  # the captured buffers live as long as the graph
-    return g, start.elapsed_time(end) * 100  # ms for 10 -> us for 1
+    return g, device_us(g, 10)
 
 
 def spin(us: float) -> None:

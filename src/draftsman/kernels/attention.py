@@ -41,7 +41,7 @@ def _attend_block(s0, end, q, qr, m_i, l_i, acc, k_ptr, v_ptr, kr_ptr, m_row, m_
     s_ok = s < end
     k = tl.load(k_ptr + b * stride_kb + s[:, None] * stride_ks + hk * stride_kh + d[None, :],
                 mask=s_ok[:, None], other=0.0)
-    # [BLOCK_M, BLOCK_S] fp32 (scale arrives as fp64 from torch.compile: cast, or the loop state widens)
+    # [BLOCK_M, BLOCK_S] fp32 (cast: an fp64 scale, as Inductor's launches passed, widens the loop state)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if DR > 0:
         dr = tl.arange(0, DR)
@@ -218,8 +218,7 @@ def _decode_attention(q: Tensor, k: Tensor, v: Tensor | None, mask: Tensor, scal
     qr, kr = (q, k) if rope is None else (_last_dim_contiguous(rope[0]), _last_dim_contiguous(rope[1]))
     if block_s is None:
         block_s = 64 if d <= 256 else 32
-    mask = mask.expand(b, t, s)  # (a bool -> uint8 view does not lower under torch.compile: a copy there)
-    mask = mask.to(torch.uint8) if torch.compiler.is_compiling() else mask.view(torch.uint8)
+    mask = mask.expand(b, t, s).view(torch.uint8)  # (never traced: compiled code calls the operator)
     g = h // hkv
     if block_t is None:
         block_t = max(1, tile_rows(d, dv) // triton.next_power_of_2(g))
@@ -315,7 +314,6 @@ def combine_project(acc: Tensor, stat: Tensor, w: Tensor | None, g: int, t: int,
         SPLITS_PAD=triton.next_power_of_2(splits), G=g, BLOCK_T=block_t, BLOCK_M=block_m, DV=dv, N=n,
         BLOCK_N=block_n, PROJECT=w is not y, num_warps=4)
     return y
-
 
 
 # decode_attention as one operator for torch.compile (see its docstring): a schema, the launches
