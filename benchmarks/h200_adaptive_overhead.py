@@ -45,7 +45,7 @@ ARMS = [SpecConfig(5, 1, 6), SpecConfig(5, 4, 6), SpecConfig(5, 4, 16)]  # h200_
 class PlainOnly(AdaptivePolicy):
     """The adaptive policy's work every round, its answer always plain decoding."""
 
-    def choose(self, batch, ready=None):
+    def choose(self, batch, ready=None, drain=None):
         super().choose(batch, ready)
         return PLAIN
 
@@ -54,7 +54,7 @@ class Bare(AdaptivePolicy):
     """Plain decoding without the policy's work (no rates, no readiness questions): what the
     adaptive session's plain round costs by itself."""
 
-    def choose(self, batch, ready=None):
+    def choose(self, batch, ready=None, drain=None):
         self.round += 1
         return PLAIN
 

@@ -79,7 +79,7 @@ def main() -> None:
         by_batch.setdefault(str(a["batch_size"]), {})[a["arm"]] = {
             "tokens_per_s": a["tokens_per_s"], "speedup": a["speedup"], "accept_length": a["accept_length"],
             "identical": a["identical"], "adaptive": a["adaptive"], "graph_captures": a["graph_captures"],
-            "warmup_passes_run": a["warmup_passes"],
+            "warmup_passes_run": a["warmup_passes"], "catch_ups": a.get("catch_ups"), "catch_up_s": a.get("catch_up_s"),
             **{k: a[k] for k in ("duration_s", "session_steps", "time_in_steps_s", "joins", "time_in_joins_s",
                                  "time_elsewhere_s")}}
     arms = [a for a in by_batch[str(result["batch_sizes"][0])] if a != "plain"]

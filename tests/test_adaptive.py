@@ -303,7 +303,7 @@ class Scripted(AdaptivePolicy):
         self.schedule = list(schedule)
         self.log: list[tuple] = []
 
-    def choose(self, batch, ready=None):
+    def choose(self, batch, ready=None, drain=None):
         self.round += 1
         return self.schedule[min(self.round, len(self.schedule)) - 1]
 
@@ -645,3 +645,88 @@ def test_masks_see_no_slot_past_the_attention_limit(pair, monkeypatch):
                                                          (TREE.topk, session.caches[1].max_len),  # draft steps
                                                          (TREE.draft_tokens, session.caches[0].max_len),  # verify
                                                          (BACKLOG, session.caches[1].max_len)}  # catch-up
+
+
+def test_draining_batches_choose_by_when_the_slowest_row_finishes():
+    """With no request waiting, the arm whose slowest row finishes first: speculation that
+    yields more tokens per row on average still loses when some row accepts too little to
+    finish before plain decoding would (and wins when every row accepts alike)."""
+    policy = AdaptivePolicy([CHAIN, TREE], explore_every=1000)
+    costs, taus = {PLAIN: 1.0, CHAIN: 2.0, TREE: 2.8}, {PLAIN: 1, CHAIN: 2.5, TREE: 3.6}  # rates 1, 1.25, 1.29
+    feed(policy, 64, costs, taus, 10)
+    assert policy.choose(64) == TREE
+    alike = [(100, 1.0)]  # every row: 100 tokens left, the batch's acceptance: 100 / 3.6 x 2.8 x 1.1 = 86 < 100
+    assert policy.choose(64, drain=alike) == TREE
+    slow = [(100, 1.0), (90, 0.4)]  # a row at 0.4 of the batch's acceptance: tree 2.04 tokens a round, 136 > 100
+    assert policy.choose(64, drain=slow) is PLAIN
+    assert policy.choose(64, drain=alike) == TREE  # (TREE finishes 14% sooner: past switch_margin)
+    # a bucket where nothing was timed: no round spent timing there, rates borrowed from 64
+    assert policy.choose(8, drain=slow) is PLAIN
+    assert policy.estimate(TREE, 8).rounds == 0
+
+
+def test_a_wave_presumes_its_rows_as_slow_as_the_slowest_of_as_many_finished_ones():
+    """drain_front: rows with no rounds behind them get low_relative (the 1/(rows+1) quantile of
+    finished rows' relative acceptance), so a fresh wave of 64 rows drains plainly where one row
+    alone speculates; a row's own evidence moves it; only rows no longer-budget row out-slows
+    are kept."""
+    policy = AdaptivePolicy([CHAIN, TREE], explore_every=1000)
+    assert policy.low_relative(64) == 1.0  # nothing finished yet: the batch's own
+    for i in range(100):  # relative acceptance 0.2, 0.21, ..., 1.19
+        policy.observe_finished(_row(0.2 + i / 100, 1.0))
+    assert policy.low_relative(64) == pytest.approx(0.21)  # index 100 // 65 = 1
+    assert policy.low_relative(1) == pytest.approx(0.7)  # the median
+    fresh = [_row(0, 0, left=120) for _ in range(64)]
+    ((row, rel),) = policy.drain_front(fresh)  # all alike: the first longest row
+    assert row is fresh[0] and rel == pytest.approx(0.21)
+    costs, taus = {PLAIN: 1.0, CHAIN: 2.0, TREE: 2.8}, {PLAIN: 1, CHAIN: 2.5, TREE: 3.6}
+    feed(policy, 64, costs, taus, 10)
+    assert policy.choose(64, drain=[(row.state.left, rel)]) is PLAIN  # 120 / 1.55 x 2.8 x 1.1 = 238 > 120
+    feed(policy, 1, {PLAIN: 1.0, CHAIN: 1.5, TREE: 1.8}, taus, 10)
+    ((_, rel1),) = policy.drain_front(fresh[:1])
+    assert rel1 == pytest.approx(0.7)
+    assert policy.choose(1, drain=[(120, rel1)]) == TREE  # 120 / 2.82 x 1.8 x 1.1 = 84 < 120
+    proven = _row(40, 40, left=120)  # 40 accepted drafts where its peers averaged 40: relative 1
+    assert policy.drain_front([proven])[0][1] == pytest.approx((40 + 16 * 0.7) / (40 + 16))
+    # (left, rel): (100, 1.0) decides; (90, 0.5) accepts less, kept; (80, 2.0) finishes first under any arm
+    rows = [_row(1, 1, left=80), _row(100, 100, left=100), _row(5, 10, left=90)]
+    policy.drain_prior = 0.0
+    assert [(r.state.left, rel) for r, rel in policy.drain_front(rows)] == [(100, 1.0), (90, 0.5)]
+
+
+def _row(accepted: float, expected: float, left: int = 10):
+    """A Request with `left` tokens of budget and the given acceptance counters."""
+    from draftsman.session import Request
+
+    r = Request(object(), [1], StopRules(max_new_tokens=left))
+    r.accepted, r.expected = accepted, expected
+    return r
+
+
+def test_draining_session_reports_its_front_and_relative_acceptance(pair):
+    """SpecSession: rounds add each row's accepted drafts and its batch's mean (`expected`);
+    _drain is None while requests wait, else the policy's front as (tokens left, relative
+    acceptance); finished rows feed the policy's history; drive_session sets `waiting`."""
+    from draftsman.bench import drive_session
+    from draftsman.session import Request
+
+    target, drafter = pair
+    policy = AdaptivePolicy([CHAIN], explore_every=1000)
+    session = SpecSession(target, drafter, None, 200, policy=policy)
+    reqs = [Request(i, p, StopRules(max_new_tokens=n), SamplingParams(temperature=0.0))
+            for i, (p, n) in enumerate(zip(prompts() * 2, (50, 40, 30, 20), strict=True))]
+    session.add(reqs)
+    session._count([4, 0, 2, 2], 4)
+    assert [(r.accepted, r.expected) for r in reqs] == [(4, 2.0), (0, 2.0), (2, 2.0), (2, 2.0)]
+    session.waiting = 3
+    assert session._drain() is None
+    session.waiting, policy.drain_prior = 0, 0.0
+    left = [r.rules.max_new_tokens - len(r.state.tokens) for r in reqs]  # (the prefill emitted one token each)
+    assert session._drain() == [(left[0], 2.0), (left[1], 0.0)]
+    session = SpecSession(target, drafter, None, 200, policy=AdaptivePolicy([CHAIN], explore_every=1000))
+    seen = []
+    session.step = lambda step=session.step: seen.append(session.waiting) or step()
+    drive_session(session, [Request(i, p, StopRules(max_new_tokens=12)) for i, p in enumerate(prompts() * 2)], 2)
+    assert seen[0] == 2 and seen[-1] == 0
+    finished = session.policy.finished
+    assert 0 < len(finished) <= 4 and all(x >= 0 for x in finished)

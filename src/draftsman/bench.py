@@ -441,6 +441,7 @@ def drive_session(session: DecodeSession, requests: Sequence[Request], max_runni
             joins.append((clock() - now, len(batch)))
         else:
             rows, before = session.num_running, clock()
+            session.waiting = len(queue)
             events = session.step()
             steps.append((clock() - before, rows))
         now = clock()
@@ -560,6 +561,7 @@ def bench_in_process(target, drafter, specs: Sequence[SpecConfig], workload: Wor
                 if spec == ADAPTIVE:  # rounds mix shapes (and plain rounds): no single drafted count
                     arm["draft_tokens"] = None
                     arm["adaptive"] = session.policy.summary()
+                    arm["catch_ups"], arm["catch_up_s"] = session.catch_ups, session.catch_up_seconds
                 mismatched = sum(a != b for a, b in zip(outputs, plain_outputs or [], strict=True))
                 arm["identical"] = (mismatched == 0) if greedy else None
                 arm["mismatched_requests"] = mismatched if greedy else None

@@ -41,6 +41,11 @@ class RowState:
     def done(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def left(self) -> int:
+        """Tokens the budget still allows."""
+        return self.rules.max_new_tokens - len(self.tokens)
+
     def extend(self, new: Sequence[int]) -> int:
         """Append tokens emitted this step, cutting at EOS, the budget or a stop string.
         Returns how many were kept."""

@@ -54,6 +54,10 @@ class Request:
     state: RowState = field(init=False)
     histogram: list[int] = field(default_factory=list)  # rounds by accepted drafts (speculation)
     drafted: int = 0  # draft tokens verified for this request, over all its rounds
+    accepted: int = 0  # ... and accepted
+    # What its batch peers accepted in the same rounds, per row (a round's mean): accepted /
+    # expected is the request's acceptance relative to its batch's, whatever the arms were.
+    expected: float = 0.0
 
     def __post_init__(self) -> None:
         self.state = RowState(self.rules)
@@ -113,6 +117,11 @@ class DecodeSession(abc.ABC):
         self._changes = 0
         self._longest: tuple[int, int] = (-1, 0)  # (_changes when computed, length)
         self._greedy: tuple[int, bool] = (-1, True)  # (_changes when computed, all_greedy)
+        # Requests the driver holds until a row frees (set by drive_session and the server's
+        # scheduler before each round). 0: the running rows are the last for now, and an adaptive
+        # session finishes them as soon as it can rather than at the best rate per row.
+        self.waiting = 0
+        self.roster = 0  # changes of the running rows' membership (joins and leaves)
 
     # ---- public ------------------------------------------------------------------------
     @property
@@ -300,6 +309,7 @@ class DecodeSession(abc.ABC):
 
     def _join(self, rows: list[Request], caches: list[StaticCache], tensors: dict[str, Tensor]) -> None:
         self._changes += 1
+        self.roster += 1
         if not self.caches:
             # A staging cache is reused by the next prefill: the running rows get their own.
             staged = {id(c) for c in self._staging.values()}
@@ -317,6 +327,7 @@ class DecodeSession(abc.ABC):
         if len(keep) == len(self.rows):
             return
         self._changes += 1
+        self.roster += 1
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         self.rows = [self.rows[i] for i in keep]
         for cache in self.caches:

@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 
 # Plain rounds (adaptive speculation off) a drafter can catch up on when speculation resumes.
 BACKLOG = 64
+# Draining (no request waiting): the rows that decide when the batch ends are re-chosen when a
+# row joins or leaves, or after this many rounds (their tokens left are read every round).
+DRAIN_REFRESH = 8
 # Per-row state a speculation round and a plain round (adaptive sessions) read and replace.
 ROUND_STATE = ("n", "root", "d_logits", "d_hidden")
 PLAIN_STATE = ("n", "root")
@@ -99,6 +102,8 @@ class SpecSession(DecodeSession):
         # may evict) or a capture fails.
         self._ready: dict[tuple, bool] = {}
         self._ready_captures: tuple[int, int] = (-1, -1)
+        self._front: tuple[int, int, list] = (-1, -1, [])  # (roster, policy round, drain_front) when made
+        self.catch_ups, self.catch_up_seconds = 0, 0.0  # the drafter's catch-ups (reports)
 
     # ---- prefill ------------------------------------------------------------------------
     def _prefill(self, ids, lengths, sampling):
@@ -187,8 +192,8 @@ class SpecSession(DecodeSession):
         if self.policy is None:
             self._set_spans()
             return self._spec_round()[0]
-        batch = len(self.rows)
-        arm = self.policy.choose(batch, ready=self._captured)
+        batch, rows = len(self.rows), self.rows
+        arm = self.policy.choose(batch, ready=self._captured, drain=self._drain())
         shape = (arm, pow2_ceil(batch))  # compiled forwards specialize on the padded batch
         compiling = self.compile and shape not in self._compiled_shapes
         self._compiled_shapes.add(shape)
@@ -206,8 +211,11 @@ class SpecSession(DecodeSession):
             # attends over unwritten slots for the rest of the request, and every probe of
             # speculation after a long plain stretch then measured a low τ (on the H200 at
             # batch 1, τ 1.8-2.3 against 3.2-3.9 for the same arms run throughout).
+            start = time.perf_counter()
             self._catch_up()
             sync(self.device)
+            self.catch_ups += 1
+            self.catch_up_seconds += time.perf_counter() - start
         before = captures(self.target, self.drafter)
         start = time.perf_counter()
         events, accepted = self._plain_round() if arm is None else self._spec_round()
@@ -217,7 +225,21 @@ class SpecSession(DecodeSession):
         if captured and not compiling:
             self.policy.observe_capture(seconds)
         self.policy.observe(arm, batch, None if untimed else seconds, accepted)
+        for row in rows:
+            if row.state.done:
+                self.policy.observe_finished(row)
         return events
+
+    def _drain(self) -> list[tuple[int, float]] | None:
+        """None while requests wait for a slot; else the policy's drain front of the running
+        rows, as (tokens left, relative acceptance)."""
+        if self.waiting:
+            return None
+        roster, made, front = self._front
+        if roster != self.roster or self.policy.round - made >= DRAIN_REFRESH:
+            front = self.policy.drain_front(self.rows)
+            self._front = (self.roster, self.policy.round, front)
+        return [(r.state.left, rel) for r, rel in front]
 
     # Graph keys of the static-shape steps, from the spec and spans they run with.
     def _round_key(self, spec: SpecConfig, t_span: int | None, d_span: int | None) -> tuple:
@@ -304,8 +326,11 @@ class SpecSession(DecodeSession):
 
     def _count(self, lens: list[int], drafted: int) -> None:
         """Per-request statistics of a round: accepted drafts, and `drafted` tokens verified."""
+        mean = sum(lens) / len(lens)
         for row, a in zip(self.rows, lens, strict=True):
             row.drafted += drafted
+            row.accepted += a
+            row.expected += mean
             if len(row.histogram) <= self.max_steps:
                 row.histogram += [0] * (self.max_steps + 1 - len(row.histogram))
             row.histogram[a] += 1
