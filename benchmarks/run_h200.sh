@@ -63,6 +63,7 @@ step rounds_moonlight 200 python3 benchmarks/h200_decode.py --geometry moonlight
   --out "$OUT/rounds_moonlight.json" --h200-json "$H"
 step rounds_8b_compiled 500 python3 benchmarks/h200_decode.py --arms rounds --compile-rounds \
   --round-specs tree64_s4,tree64_s3,tree64 --out "$OUT/rounds_8b_compiled.json"
+step round_floor 120 python3 benchmarks/h200_round_floor.py --out "$OUT/round_floor.json"
 step rounds_8b_profile 300 python3 benchmarks/h200_decode.py --arms rounds --compile-rounds --round-specs tree64_s3 \
   --profile --out "$OUT/rounds_8b_profile.json"
 step decode_8b_autotune 500 python3 benchmarks/h200_decode.py --arms graph_compiled_autotune \
