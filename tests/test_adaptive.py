@@ -663,6 +663,9 @@ def test_draining_batches_choose_by_when_the_slowest_row_finishes():
     # a bucket where nothing was timed: no round spent timing there, rates borrowed from 64
     assert policy.choose(8, drain=slow) is PLAIN
     assert policy.estimate(TREE, 8).rounds == 0
+    # joins cost speculation 1.0 a round here (so it loses per round), but none come while draining
+    policy.estimate(TREE, 64).join_seconds = policy.estimate(CHAIN, 64).join_seconds = 1.0
+    assert policy.choose(64) is PLAIN and policy.choose(64, drain=alike) == TREE
 
 
 def test_a_wave_presumes_its_rows_as_slow_as_the_slowest_of_as_many_finished_ones():
@@ -689,6 +692,8 @@ def test_a_wave_presumes_its_rows_as_slow_as_the_slowest_of_as_many_finished_one
     proven = _row(40, 40, left=120)  # 40 accepted drafts where its peers averaged 40: relative 1
     assert policy.drain_front([proven])[0][1] == pytest.approx((40 + 16 * 0.7) / (40 + 16))
     # (left, rel): (100, 1.0) decides; (90, 0.5) accepts less, kept; (80, 2.0) finishes first under any arm
+    late = [_row(30, 30, left=60) for _ in range(15)] + [_row(0, 0, left=120)]  # one row joined lately
+    assert policy.drain_front(late)[0][1] == pytest.approx(0.7)  # the slowest of one row: the median
     rows = [_row(1, 1, left=80), _row(100, 100, left=100), _row(5, 10, left=90)]
     policy.drain_prior = 0.0
     assert [(r.state.left, rel) for r, rel in policy.drain_front(rows)] == [(100, 1.0), (90, 0.5)]

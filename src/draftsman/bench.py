@@ -545,7 +545,8 @@ def bench_in_process(target, drafter, specs: Sequence[SpecConfig], workload: Wor
             # several rounds), and the adaptive arm's policy with its measurements.
             session = make_session(target, drafter, spec, workload, specs)
             passes = warm_up(session, workload, bs)
-            before = captures(target, drafter)
+            before, catch_ups = captures(target, drafter), getattr(session, "catch_ups", 0)
+            catch_up_s = getattr(session, "catch_up_seconds", 0.0)
             run = drive_session(session, _requests(workload.prompts, workload), bs, on_finish)
             arm = {"arm": arm_name(spec), "kind": "plain" if spec is None else "spec",
                    "spec": spec_dict(spec, specs), "batch_size": bs, **latency_summary(run.traces, run.duration_s),
@@ -561,7 +562,8 @@ def bench_in_process(target, drafter, specs: Sequence[SpecConfig], workload: Wor
                 if spec == ADAPTIVE:  # rounds mix shapes (and plain rounds): no single drafted count
                     arm["draft_tokens"] = None
                     arm["adaptive"] = session.policy.summary()
-                    arm["catch_ups"], arm["catch_up_s"] = session.catch_ups, session.catch_up_seconds
+                    # the drafter's catch-ups after plain rounds in the timed run (in its steps' time)
+                    arm["catch_ups"], arm["catch_up_s"] = session.catch_ups - catch_ups, session.catch_up_seconds - catch_up_s
                 mismatched = sum(a != b for a, b in zip(outputs, plain_outputs or [], strict=True))
                 arm["identical"] = (mismatched == 0) if greedy else None
                 arm["mismatched_requests"] = mismatched if greedy else None

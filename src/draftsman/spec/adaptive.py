@@ -45,9 +45,10 @@ batch's do (on the H200 with the reference pair, 64 MT-bench prompts at batch 64
 25% more tokens per row per ms than plain decoding at the full batch and finished at 0.95x).
 The policy then picks the arm that finishes the slowest row first (`drain_front`): a row's
 tokens per round under an arm are 1 + (τ - 1) x its acceptance relative to its batch peers',
-and a row with few rounds behind it is presumed as slow as the slowest of that many rows has
+and rows with few rounds behind them are presumed as slow as the slowest of that many rows has
 been (a low quantile of finished rows' relative acceptance, `low_relative`): at the start of a
-wave nothing tells its rows apart, and the wave ends with its slowest row.
+wave nothing tells its rows apart, and the wave ends with its slowest row. No joins come while
+a batch drains, so their time is left out of the rates compared then.
 """
 
 from __future__ import annotations
@@ -187,10 +188,11 @@ class AdaptivePolicy:
         """The arm's τ over every row it has run."""
         return self.tau_sums[arm] / self.tau_rows[arm]
 
-    def _borrowed(self, arm: SpecConfig | None, batch: int) -> float | None:
+    def _borrowed(self, arm: SpecConfig | None, batch: int, joins: bool = True) -> float | None:
         """The rate of an arm not timed in this bucket, from the nearest bucket where it was (the
         larger on a tie: speculation gains less at larger batches), its round time scaled by plain
-        decoding's between the two buckets where plain was timed in both; None if nowhere."""
+        decoding's between the two buckets where plain was timed in both; None if nowhere.
+        joins=False: without the joins' time (none come while a batch drains)."""
         b = bucket(batch)
         timed = [k for (k, a), e in self.estimates.items() if a == arm and k != b and e.seconds is not None]
         tau = self.tau(arm)
@@ -201,7 +203,14 @@ class AdaptivePolicy:
         here, there = self.estimates.get((b, PLAIN)), self.estimates.get((near, PLAIN))
         if arm is not PLAIN and here and there and here.seconds and there.seconds:
             scale = here.seconds / there.seconds
-        return tau / (e.seconds * scale + e.join_seconds)
+        return tau / (e.seconds * scale + (e.join_seconds if joins else 0.0))
+
+    def _drain_rate(self, arm: SpecConfig | None, batch: int) -> float | None:
+        """Tokens per second per row of `arm` at this batch size without joins (own or borrowed)."""
+        e, tau = self.estimate(arm, batch), self.tau(arm)
+        if tau is None:
+            return None
+        return tau / e.seconds if e.seconds is not None else self._borrowed(arm, batch, joins=False)
 
     def _score(self, arm: SpecConfig | None, rate: float) -> float:
         """What choices compare: the rate, speculation's discounted by plain_margin."""
@@ -231,9 +240,9 @@ class AdaptivePolicy:
         rates = {arm: self.rate(arm, batch) for arm in self.arms}
         untried = [arm for arm, r in rates.items() if r is None]
         if drain:  # the batch ends soon: no round spent timing an arm timed elsewhere; borrowed rates
-            borrowed = {arm: self._borrowed(arm, batch) for arm in untried}
-            if None not in borrowed.values():
-                return self._drain_choice(b, rates | borrowed, drain, is_ready)
+            drain_rates = {arm: self._drain_rate(arm, batch) for arm in self.arms}
+            if None not in drain_rates.values():
+                return self._drain_choice(b, drain_rates, drain, is_ready)
         if untried:  # time every captured arm in this bucket before choosing; borrow the others' rates
             timeable = [arm for arm in untried if is_ready(arm)]
             if timeable:
@@ -275,8 +284,8 @@ class AdaptivePolicy:
     def _drain_choice(self, b: int, rates: dict, drain: Sequence[tuple[int, float]],
                       is_ready: Callable[[SpecConfig | None], bool]) -> SpecConfig | None:
         """The captured arm that finishes the deciding rows first (no capture or re-measurement:
-        the batch ends soon), speculation's time inflated by plain_margin; the current arm stays
-        unless another finishes switch_margin sooner."""
+        the batch ends soon; rates without joins: none come), speculation's time inflated by
+        plain_margin; the current arm stays unless another finishes switch_margin sooner."""
         finish = {}
         for arm, rate in rates.items():
             tau = self.tau(arm)
@@ -294,13 +303,13 @@ class AdaptivePolicy:
         return best
 
     def low_relative(self, rows: int) -> float:
-        """The relative acceptance presumed of a row with no rounds behind it in a batch of
-        `rows`: the 1/(rows + 1) quantile of finished rows' (the slowest of `rows` rows is about
-        that slow); 1.0 (the batch's) until 16 rows have finished."""
+        """The relative acceptance presumed of rows with no rounds behind them, `rows` of them:
+        the 1/(rows + 1) quantile of finished rows' (the slowest of `rows` rows is about that
+        slow); 1.0 (the batch's) until 16 rows have finished."""
         if len(self.finished) < 16:
             return 1.0
         ranked = sorted(self.finished)
-        return ranked[min(len(ranked) - 1, int(len(ranked) / (rows + 1)))]
+        return ranked[min(len(ranked) - 1, int(len(ranked) / (max(rows, 1) + 1)))]
 
     def observe_finished(self, row: Request) -> None:
         """A row left after speculative rounds: its relative acceptance joins `finished`."""
@@ -308,11 +317,13 @@ class AdaptivePolicy:
             self.finished.append(row.accepted / row.expected)
 
     def drain_front(self, rows: Sequence[Request]) -> list[tuple[Request, float]]:
-        """The rows that decide when a draining batch ends, with their relative acceptance (own
-        evidence shrunk towards `low_relative` by `drain_prior`): longest budgets first, a row
-        kept only if it accepts less than every row with more tokens left (the others finish
-        before one of those under any arm)."""
-        low, k = self.low_relative(len(rows)), self.drain_prior
+        """The rows that decide when a draining batch ends, with their relative acceptance: their
+        own evidence shrunk by `drain_prior` towards `low_relative` of the rows with less evidence
+        than that (rows that joined lately: the slowest of them decides). Longest budgets first;
+        a row kept only if it accepts less than every row with more tokens left (the others
+        finish before one of those under any arm)."""
+        k = self.drain_prior
+        low = self.low_relative(sum(r.expected < k for r in rows))
         ranked = sorted(rows, key=lambda r: -r.state.left)
         front, lowest = [], float("inf")
         for r in ranked:
