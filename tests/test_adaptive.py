@@ -735,3 +735,31 @@ def test_draining_session_reports_its_front_and_relative_acceptance(pair):
     assert seen[0] == 2 and seen[-1] == 0
     finished = session.policy.finished
     assert 0 < len(finished) <= 4 and all(x >= 0 for x in finished)
+
+
+def test_a_batch_draining_plainly_is_not_asked_again_until_its_rows_change(pair):
+    """Once a draining batch settles on plain decoding the session stops asking the policy (its
+    rows' budgets fall together and nothing new is learnt) until the rows change; outputs stay
+    plain decoding's."""
+    target, drafter = pair
+    calls = []
+
+    class Counting(AdaptivePolicy):
+        def choose(self, batch, ready=None, drain=None):
+            arm = super().choose(batch, ready, drain)
+            calls.append((arm, self.settled, drain is not None))
+            return arm
+
+        def observe(self, arm, batch, seconds, accepted):  # speculation made to lose clearly
+            super().observe(arm, batch, None if seconds is None else seconds * (1 if arm is None else 10), accepted)
+
+    rules = StopRules(max_new_tokens=40)
+    greedy = SamplingParams(temperature=0.0)
+    plain = [r.state.tokens for r in run_to_completion(PlainSession(target, 100), prompts(), rules, greedy)]
+    session = SpecSession(target, drafter, None, 100, policy=Counting([CHAIN, TREE], explore_every=1000))
+    done = run_to_completion(session, prompts(), rules, greedy)
+    assert [r.state.tokens for r in done] == plain
+    settled = [i for i, (arm, s, drain) in enumerate(calls) if s]
+    assert settled and all(calls[i][0] is None and calls[i][2] for i in settled)
+    assert len(calls) < settled[0] + 5  # a few more questions at most (a row leaving), not one a round
+    assert sum(len(t) for t in plain) / 2 > settled[0] + 20  # (and many rounds were left to run)

@@ -142,6 +142,9 @@ class AdaptivePolicy:
     tau_seen: dict[Hashable, int] = field(default_factory=dict)  # policy round of each arm's last τ update
     current: dict[int, SpecConfig | None] = field(default_factory=dict)  # chosen arm per bucket
     round: int = 0
+    # Whether the last choice was plain decoding for a draining batch: it then holds until a row
+    # joins or leaves (the session need not ask each round: see _drain_choice).
+    settled: bool = False
     _interval: dict[int, int] = field(default_factory=dict)  # per bucket: rounds between re-measurements
     _next: dict[int, int] = field(default_factory=dict)  # per bucket: round of the next re-measurement
     _probed: dict[int, SpecConfig | None] = field(default_factory=dict)  # choice before a re-measurement
@@ -225,6 +228,7 @@ class AdaptivePolicy:
         when the batch ends, as (tokens left, relative acceptance) (`drain_front`): the arm is
         then the one that finishes them first."""
         self.round += 1
+        self.settled = False
         b = bucket(batch)
         if b != self._bucket:
             self._bucket_rounds, self._bucket_seconds = 0, 0.0
@@ -300,6 +304,9 @@ class AdaptivePolicy:
         if current in finish and finish[best] * (1 + self.switch_margin) >= finish[current]:
             best = current
         self.current[b] = best
+        # Plain rounds add no acceptance evidence and shorten every row's budget alike, which
+        # leaves speculation's finish no nearer relative to plain decoding's: settled.
+        self.settled = best is PLAIN
         return best
 
     def low_relative(self, rows: int) -> float:
