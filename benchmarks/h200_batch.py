@@ -56,6 +56,10 @@ def main() -> None:
     ap.add_argument("--h200-json")
     ap.add_argument("--eager-prefill", action="store_true",
                     help="draftsman bench --eager-prefill (newcomers prefilled eagerly, as before staged prefills)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="draftsman bench --repeats: timed runs per arm, interleaved, the median's reported "
+                         "(default 3: on the H200 a plain arm's batch-64 run read 1.51 and 1.76 ms a step in two "
+                         "calls, and the arms of one call run minutes apart)")
     ap.add_argument("--warmup-passes", type=int, default=5,
                     help="draftsman bench --warmup-passes (warm-ups repeat while they capture graphs; 5: in "
                          "session 12 the adaptive arm at batch 16 still captured in its third and in the timed run)")
@@ -72,14 +76,15 @@ def main() -> None:
                              "--max-new-tokens", str(args.max_new_tokens), "--temperature", args.temperature,
                              "--device", args.device, "--batch-sizes", args.batch_sizes, "--spec-adaptive",
                              "--warmup", str(args.num_prompts if args.warmup is None else args.warmup),
-                             "--warmup-passes", str(args.warmup_passes),
+                             "--warmup-passes", str(args.warmup_passes), "--repeats", str(args.repeats),
                              *(["--eager-prefill"] if args.eager_prefill else [])])
     by_batch: dict = {}
     for a in result["arms"]:
         by_batch.setdefault(str(a["batch_size"]), {})[a["arm"]] = {
             "tokens_per_s": a["tokens_per_s"], "speedup": a["speedup"], "accept_length": a["accept_length"],
             "identical": a["identical"], "adaptive": a["adaptive"], "graph_captures": a["graph_captures"],
-            "warmup_passes_run": a["warmup_passes"], "catch_ups": a.get("catch_ups"), "catch_up_s": a.get("catch_up_s"),
+            "warmup_passes_run": a["warmup_passes"], "catch_ups": a["catch_ups"], "catch_up_s": a["catch_up_s"],
+            "durations_s": a["durations_s"],
             **{k: a[k] for k in ("duration_s", "session_steps", "time_in_steps_s", "joins", "time_in_joins_s",
                                  "time_elsewhere_s")}}
     arms = [a for a in by_batch[str(result["batch_sizes"][0])] if a != "plain"]
@@ -89,7 +94,7 @@ def main() -> None:
                "steady": args.steady,
                "temperature": float(args.temperature), "num_prompts": args.num_prompts,
                "max_new_tokens": args.max_new_tokens, "eager_prefill": args.eager_prefill,
-               "warmup_passes": args.warmup_passes,
+               "warmup_passes": args.warmup_passes, "repeats": args.repeats,
                "warmup": args.num_prompts if args.warmup is None else args.warmup, "by_batch": by_batch, "min_speedup": minimum,
                "min_speedup_over_batches": minimum["spec-adaptive"], "command": " ".join(cmd[1:])}
     write_results(args.out, {"summary": summary, "bench": result})

@@ -147,6 +147,32 @@ def test_adaptive_arm_is_lossless_and_reports_its_choices(pair):
     assert all(a["adaptive"] is None for name, a in arms.items() if name != "spec-adaptive")
 
 
+def test_repeats_go_round_the_arms_and_report_the_median_run(pair, monkeypatch):
+    """--repeats 3: every arm warmed up first, then the timed runs interleaved across the arms
+    (each in its arm's own session), and each arm reports its run of median duration."""
+    target_dir, drafter_dir, dataset = pair
+    order, drive = [], bench.drive_session
+
+    def logged(session, requests, max_running, *a, **k):
+        timed = not str(requests[0].request_id).startswith("warmup")
+        order.append((type(session).__name__, getattr(session, "spec", None), timed, id(session)))
+        return drive(session, requests, max_running, *a, **k)
+
+    monkeypatch.setattr(bench, "drive_session", logged)
+    _, result = run_main("bench", "--target", str(target_dir), "--drafter", str(drafter_dir), "--dataset", dataset,
+                         "--num-prompts", "3", "--max-new-tokens", "6", "--spec-steps", "2", "--spec-topk", "1",
+                         "--repeats", "3", "--json")
+    assert result["repeats"] == 3
+    timed = [(kind, id_) for kind, _, t, id_ in order if t]
+    assert len(timed) == 6 and order.index(next(o for o in order if o[2])) == 2  # both warm-ups first
+    assert [k for k, _ in timed] == ["PlainSession", "SpecSession"] * 3  # interleaved
+    assert len({i for k, i in timed if k == "PlainSession"}) == 1  # one session per arm throughout
+    for a in result["arms"]:
+        assert len(a["durations_s"]) == 3 and a["duration_s"] == pytest.approx(sorted(a["durations_s"])[1], abs=1e-5)
+        assert a["identical"] in (True, None) or a["arm"] != "plain"
+    assert {a["arm"]: a["identical"] for a in result["arms"]}["spec-s2-k1-n3"] is True
+
+
 def test_eager_prefill_reaches_every_arm_s_session(pair, monkeypatch):
     """Staged prefills are the sessions' default where graphs run; bench --eager-prefill turns them
     off in each arm's session (plain, fixed, adaptive)."""

@@ -176,6 +176,7 @@ ARM_DEFAULTS = NO_ACCEPTANCE | {
     "weight_bytes_per_step": None, "decode_step_ms": None, "weight_bandwidth_gb_s": None,
     "bandwidth_fraction": None, "url": None, "adaptive": None, "graph_captures": None, "warmup_passes": None,
     "session_steps": None, "time_in_steps_s": None, "joins": None, "time_in_joins_s": None, "time_elsewhere_s": None,
+    "durations_s": None, "catch_ups": None, "catch_up_s": None,
 }
 
 ADAPTIVE = "adaptive"  # the arm whose sessions pick a speculation shape (or none) per round
@@ -473,6 +474,7 @@ class Workload:
     compile: bool = False  # torch.compile the step forwards (DecodeSession's compile)
     graph_prefill: bool = True  # staged (graphed) prefills of newcomers where graphs run (DecodeSession's)
     warmup_passes: int = 1  # warm-up runs per arm at most; they stop after one that captured nothing
+    repeats: int = 1  # timed runs per arm, interleaved across arms (bench_in_process)
 
     @property
     def max_len(self) -> int:
@@ -533,43 +535,83 @@ def bench_in_process(target, drafter, specs: Sequence[SpecConfig], workload: Wor
     """Plain decoding and each speculative setting (and, with `adaptive`, adaptive speculation
     over them) over the same prompts at every batch size. Returns one result dict per (arm,
     batch size): latency_summary keys plus acceptance, roofline (plain) and `identical`
-    (speculative vs plain outputs at temperature 0)."""
+    (speculative vs plain outputs at temperature 0). With workload.repeats > 1 every arm's
+    session is warmed up first, then the timed runs go round the arms `repeats` times, and each
+    arm reports its run of median duration (`durations_s`: all of them): a machine's drift
+    during the run falls on every arm alike."""
     arms: list[dict] = []
     greedy = workload.params.temperature == 0
     for bs in workload.batch_sizes:
-        plain_outputs: list | None = None
-        for spec in [None, *specs, *([ADAPTIVE] if adaptive else [])]:
-            # Warm-up and timed run share one session, as a server keeps one for its lifetime:
-            # its cache allocations, so the CUDA graphs captured over them in the warm-up replay
-            # in the timed run (a new session's caches would need new captures, each costing
-            # several rounds), and the adaptive arm's policy with its measurements.
-            session = make_session(target, drafter, spec, workload, specs)
-            passes = warm_up(session, workload, bs)
-            before, catch_ups = captures(target, drafter), getattr(session, "catch_ups", 0)
-            catch_up_s = getattr(session, "catch_up_seconds", 0.0)
-            run = drive_session(session, _requests(workload.prompts, workload), bs, on_finish)
-            arm = {"arm": arm_name(spec), "kind": "plain" if spec is None else "spec",
-                   "spec": spec_dict(spec, specs), "batch_size": bs, **latency_summary(run.traces, run.duration_s),
-                   "graph_captures": captures(target, drafter) - before, "warmup_passes": passes, **time_split(run)}
-            outputs = [t.output for t in run.traces]
-            if spec is None:
-                plain_outputs = outputs
-                arm |= roofline(decode_weight_bytes(target, bs), full_steps(run.steps, bs), copy_bandwidth)
-            else:
-                deepest = max(specs if spec == ADAPTIVE else [spec], key=lambda c: c.steps)
-                arm |= acceptance_from_histograms((r.histogram for r in run.requests), deepest)
-                arm["acceptance_source"] = "engine"
-                if spec == ADAPTIVE:  # rounds mix shapes (and plain rounds): no single drafted count
-                    arm["draft_tokens"] = None
-                    arm["adaptive"] = session.policy.summary()
-                    # the drafter's catch-ups after plain rounds in the timed run (in its steps' time)
-                    arm["catch_ups"], arm["catch_up_s"] = session.catch_ups - catch_ups, session.catch_up_seconds - catch_up_s
-                mismatched = sum(a != b for a, b in zip(outputs, plain_outputs or [], strict=True))
-                arm["identical"] = (mismatched == 0) if greedy else None
-                arm["mismatched_requests"] = mismatched if greedy else None
-            arm["finish_reasons"] = count_reasons(run.traces)
-            arms.append(with_defaults(arm))
+        order = [None, *specs, *([ADAPTIVE] if adaptive else [])]
+        # Warm-up and timed runs share one session per arm, as a server keeps one for its
+        # lifetime: its cache allocations, so the CUDA graphs captured over them in the warm-up
+        # replay in the timed run (a new session's caches would need new captures, each costing
+        # several rounds), and the adaptive arm's policy with its measurements. One repeat: each
+        # session lives only for its arm.
+        live = workload.repeats > 1
+        sessions: dict = {}
+        runs: dict = {i: [] for i in range(len(order))}  # (run, graph captures, catch-ups, catch-up s)
+
+        if live:
+            sessions = {i: _warm_session(target, drafter, spec, specs, workload, bs) for i, spec in enumerate(order)}
+        for _ in range(workload.repeats):
+            for i in range(len(order)):
+                if i not in sessions:
+                    sessions[i] = _warm_session(target, drafter, order[i], specs, workload, bs)
+                session = sessions[i][0]
+                before, catch_ups = captures(target, drafter), getattr(session, "catch_ups", 0)
+                catch_up_s = getattr(session, "catch_up_seconds", 0.0)
+                run = drive_session(session, _requests(workload.prompts, workload), bs, on_finish)
+                runs[i].append((run, captures(target, drafter) - before, getattr(session, "catch_ups", 0) - catch_ups,
+                                getattr(session, "catch_up_seconds", 0.0) - catch_up_s))
+                if not live:
+                    arms.append(_arm_result(order[i], specs, bs, runs[i], sessions.pop(i), copy_bandwidth, target))
+        if live:
+            arms += [_arm_result(spec, specs, bs, runs[i], sessions[i], copy_bandwidth, target)
+                     for i, spec in enumerate(order)]
+        plain_outputs = next(a.pop("_outputs") for a in arms if a.get("_outputs") is not None and a["arm"] == "plain"
+                             and a["batch_size"] == bs)
+        for a in arms:
+            outputs = a.pop("_outputs", None)
+            if outputs is None or a["arm"] == "plain":
+                continue
+            mismatched = sum(x != y for x, y in zip(outputs, plain_outputs, strict=True))
+            a["identical"] = (mismatched == 0) if greedy else None
+            a["mismatched_requests"] = mismatched if greedy else None
     return arms
+
+
+def _warm_session(target, drafter, spec, specs: Sequence[SpecConfig], workload: Workload, bs: int) -> tuple:
+    """(A new session of the arm, the warm-up passes it ran at batch size `bs`)."""
+    session = make_session(target, drafter, spec, workload, specs)
+    return session, warm_up(session, workload, bs)
+
+
+def _arm_result(spec, specs: Sequence[SpecConfig], bs: int, runs: list, made: tuple, copy_bandwidth: float | None,
+                target) -> dict:
+    """One arm's result dict from its timed runs (the one of median duration reported) and its
+    (session, warm-up passes); `_outputs` holds that run's outputs for bench_in_process."""
+    session, passes = made
+    ranked = sorted(runs, key=lambda r: r[0].duration_s)
+    run, _, catch_ups, catch_up_s = ranked[(len(ranked) - 1) // 2]
+    arm = {"arm": arm_name(spec), "kind": "plain" if spec is None else "spec",
+           "spec": spec_dict(spec, specs), "batch_size": bs, **latency_summary(run.traces, run.duration_s),
+           "graph_captures": sum(r[1] for r in runs), "warmup_passes": passes, **time_split(run),
+           "durations_s": [r[0].duration_s for r in runs]}
+    if spec is None:
+        arm |= roofline(decode_weight_bytes(target, bs), full_steps(run.steps, bs), copy_bandwidth)
+    else:
+        deepest = max(specs if spec == ADAPTIVE else [spec], key=lambda c: c.steps)
+        arm |= acceptance_from_histograms((r.histogram for r in run.requests), deepest)
+        arm["acceptance_source"] = "engine"
+        if spec == ADAPTIVE:  # rounds mix shapes (and plain rounds): no single drafted count
+            arm["draft_tokens"] = None
+            arm["adaptive"] = session.policy.summary()
+            # the drafter's catch-ups after plain rounds in the reported run (in its steps' time)
+            arm["catch_ups"], arm["catch_up_s"] = catch_ups, catch_up_s
+    arm["finish_reasons"] = count_reasons(run.traces)
+    arm["_outputs"] = [t.output for t in run.traces]
+    return with_defaults(arm)
 
 
 def count_reasons(traces: Iterable[Trace]) -> dict[str, int]:

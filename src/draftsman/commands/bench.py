@@ -39,7 +39,8 @@ same run (CUDA only).
 
 Output: a table, and with --json one JSON object as the last stdout line. Top-level keys:
   mode                "in-process" | "client"
-  dataset, num_prompts, max_new_tokens, temperature, top_p, top_k, seed, chat, warmup, warmup_passes
+  dataset, num_prompts, max_new_tokens, temperature, top_p, top_k, seed, chat, warmup, warmup_passes,
+  repeats
   batch_sizes         [int]  (client: concurrencies)
   target, drafter, device, dtype        in-process (null in client mode)
   server_url, baseline_url, model       client mode (null in-process)
@@ -74,7 +75,7 @@ Output: a table, and with --json one JSON object as the last stdout line. Top-le
     identical, mismatched_requests          vs plain at this batch size, temperature 0
     finish_reasons      {reason: count}
     adaptive            spec-adaptive: [{batch_bucket, arm, round_ms, join_ms_per_round, tau, rounds,
-                        untimed_rounds, chosen}],
+                        untimed_rounds, timed_s, chosen}],
                         what the policy measured per batch bucket and arm (warm-up included) and
                         what it settled on (its acceptance keys cover its speculative rounds only)
     weight_bytes_per_step, decode_step_ms, weight_bandwidth_gb_s, bandwidth_fraction
@@ -85,6 +86,11 @@ Output: a table, and with --json one JSON object as the last stdout line. Top-le
     session_steps, time_in_steps_s, joins, time_in_joins_s, time_elsewhere_s
                         in-process: where duration_s went: rounds (session steps), prefills of
                         newcomers joining the batch, and the rest (emitting tokens, bookkeeping)
+    durations_s         in-process: every timed run's duration (--repeats; the reported run is
+                        the one of median duration)
+    catch_ups, catch_up_s
+                        spec-adaptive: the drafter's catch-ups after plain rounds in the
+                        reported run, and their seconds (part of its steps' time)
 --plot DIR writes acceptance_per_position.png (bars per speculative arm, first batch size)
 and speedup_vs_batch_size.png (a line per speculative arm).
 """
@@ -145,6 +151,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="in-process: run the warm-up requests up to this many times per arm (default 1), "
                         "stopping after a pass that captured no CUDA graph: an adaptive arm's choices differ "
                         "between passes, so one pass leaves shapes (and captures) for the timed run")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="in-process: timed runs per arm (default 1); with more, every arm is warmed up first and "
+                        "the runs go round the arms, each arm reporting its run of median duration (drift of a "
+                        "noisy machine then falls on every arm alike; every arm's session stays alive meanwhile)")
     p.add_argument("--timeout", type=float, default=600.0, help="client: seconds per request (default 600)")
     add_sampling_args(p)
     add_device_args(p)
@@ -171,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
         "mode": "in-process" if args.target else "client", "dataset": args.dataset, "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
         "top_k": args.top_k, "seed": args.seed, "chat": not args.no_chat, "warmup": args.warmup,
-        "warmup_passes": args.warmup_passes,
+        "warmup_passes": args.warmup_passes, "repeats": args.repeats,
         "batch_sizes": batch_sizes, "target": args.target, "drafter": args.drafter, "device": None,
         "dtype": None, "server_url": args.server_url, "baseline_url": args.baseline_url, "model": args.model,
         "specs": [], "copy_bandwidth_gb_s": None,
@@ -214,6 +224,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--warmup must be >= 0")
     if args.warmup_passes < 1:
         raise ValueError("--warmup-passes must be >= 1")
+    if args.repeats < 1:
+        raise ValueError("--repeats must be >= 1")
     if args.plot:  # fail before a long run, not after it
         try:
             import matplotlib  # noqa: F401
@@ -268,7 +280,7 @@ def run_in_process(args: argparse.Namespace, prompts: list[str], batch_sizes: li
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     workload = bench.Workload(ids, rules, params, tuple(batch_sizes), min(args.warmup, len(ids)), args.seed,
                               compile=args.compile, graph_prefill=not args.eager_prefill,
-                              warmup_passes=args.warmup_passes)
+                              warmup_passes=args.warmup_passes, repeats=args.repeats)
     if workload.max_len > model.config.max_position_embeddings:  # fail before any arm runs
         raise SystemExit(f"error: the longest prompt + --max-new-tokens needs {workload.max_len} positions, more "
                          f"than the target's max_position_embeddings={model.config.max_position_embeddings}")
