@@ -68,12 +68,12 @@ step rounds_8b_profile 300 python3 benchmarks/h200_decode.py --arms rounds --com
   --profile --out "$OUT/rounds_8b_profile.json"
 step decode_8b_autotune 500 python3 benchmarks/h200_decode.py --arms graph_compiled_autotune \
   --out "$OUT/decode_8b_autotune.json" --h200-json "$H"
+step e2e 300 python3 benchmarks/h200_e2e.py --num-prompts 5 --out "$OUT/e2e.json"
 step load 200 python3 benchmarks/h200_load.py --out "$OUT/load_8b.json"
 # issue 8's single-GPU baseline (carry .carry/drafter/data.jsonl.gz: the reference target's conversations)
 if [ -f .carry/drafter/data.jsonl.gz ]; then gunzip -c .carry/drafter/data.jsonl.gz > /tmp/train.jsonl; fi
 step train_1x 300 python3 benchmarks/train_scaling.py --data /tmp/train.jsonl --nproc 1 \
   --out "$OUT/train_scaling_1x_h200.json"
-step e2e 300 python3 benchmarks/h200_e2e.py --num-prompts 5 --out "$OUT/e2e.json"
 # one archive of the logs: a device call brings back at most 8 files
 (cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log)
 tar czf "$OUT/compile-cache.tgz" -C "$CACHE" .
