@@ -70,10 +70,12 @@ step decode_8b_autotune 500 python3 benchmarks/h200_decode.py --arms graph_compi
   --out "$OUT/decode_8b_autotune.json" --h200-json "$H"
 step e2e 300 python3 benchmarks/h200_e2e.py --num-prompts 5 --out "$OUT/e2e.json"
 step load 200 python3 benchmarks/h200_load.py --out "$OUT/load_8b.json"
-# issue 8's single-GPU baseline (carry .carry/drafter/data.jsonl.gz: the reference target's conversations)
+# issue 8's single-GPU baseline (carry .carry/drafter/data.jsonl.gz: the reference target's conversations,
+# e.g. `draftsman prepare-data --target src/draftsman/assets/reference-target --input <512 GSM8K train
+# records> --output data.jsonl --max-new-tokens 256`, gzipped); TRAIN_STEPS, TAU_PROMPTS shorten it
 if [ -f .carry/drafter/data.jsonl.gz ]; then gunzip -c .carry/drafter/data.jsonl.gz > /tmp/train.jsonl; fi
 step train_1x 300 python3 benchmarks/train_scaling.py --data /tmp/train.jsonl --nproc 1 \
-  --out "$OUT/train_scaling_1x_h200.json"
+  --steps "${TRAIN_STEPS:-30}" --tau-prompts "${TAU_PROMPTS:-10}" --out "$OUT/train_scaling_1x_h200.json"
 # one archive of the logs: a device call brings back at most 8 files
 (cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log)
 tar czf "$OUT/compile-cache.tgz" -C "$CACHE" .
