@@ -117,10 +117,11 @@ class DecodeSession(abc.ABC):
         self._changes = 0
         self._longest: tuple[int, int] = (-1, 0)  # (_changes when computed, length)
         self._greedy: tuple[int, bool] = (-1, True)  # (_changes when computed, all_greedy)
-        # Requests the driver holds until a row frees (set by drive_session and the server's
-        # scheduler before each round). 0: the running rows are the last for now, and an adaptive
-        # session finishes them as soon as it can rather than at the best rate per row.
-        self.waiting = 0
+        # Requests the driver holds until a row frees, set before each round by drivers that know
+        # every request up front (drive_session, run_to_completion). 0: the running rows are the
+        # last, and an adaptive session finishes them as soon as it can rather than at the best
+        # rate per row. None: unknown, more may come at any time (a server).
+        self.waiting: int | None = None
         self.roster = 0  # changes of the running rows' membership (joins and leaves)
 
     # ---- public ------------------------------------------------------------------------
@@ -411,6 +412,7 @@ def run_to_completion(session: DecodeSession, prompts: Sequence[Sequence[int]], 
     """Add every prompt at once and step until all finish; requests in prompt order."""
     requests = [Request(i, p, rules, params) for i, p in enumerate(prompts)]
     session.add(requests)
+    session.waiting = 0  # (these rows are the last)
     while session.num_running:
         session.step()
     return requests

@@ -19,7 +19,8 @@ every arm over the same prompts with at most B requests in flight, refilling a s
 a request finishes (continuous batching). --spec-adaptive adds `spec-adaptive`: each round it
 runs one of those settings or a plain step, whichever is fastest at the running batch size by
 round times and acceptance it measures itself (it tries every choice first, keeping what it
-measured during the warm-up, as a running server would; see draftsman/spec/adaptive.py). Client: `server` (the served configuration) and, with
+measured during the warm-up, as a running server would; once no request is left to join, it
+instead picks what finishes the slowest running row first; see draftsman/spec/adaptive.py). Client: `server` (the served configuration) and, with
 --baseline-url, `baseline` (a plain server) at each concurrency. --warmup N requests run
 untimed before every arm and batch size (in-process, again while they capture CUDA graphs, up to
 --warmup-passes times).

@@ -220,7 +220,6 @@ class Scheduler:
             if not session.num_running:
                 continue
             self.metrics.batch_size.labels(self.metrics.model_name).observe(session.num_running)
-            session.waiting = len(self._waiting)
             try:
                 events = session.step()
             except Exception as e:

@@ -37,8 +37,9 @@ speculation must beat plain decoding by `plain_margin` before the policy specula
 estimate sees (the drafter's catch-up after plain stretches, re-measurements, a batch's slow
 tail when rows finish apart) fall on speculation.
 
-When no request waits for a slot (the session's `waiting` is 0: the running rows are the last of
-a burst or of a batch job), what counts is when the last of them finishes, not tokens per row:
+When no request waits for a slot and none will come (the session's `waiting` is 0: the running
+rows are the last of a batch job, as its driver knows; a server, where requests come at any
+time, leaves it unknown), what counts is when the last of them finishes, not tokens per row:
 under plain decoding rows of one budget finish together, under speculation they finish apart,
 and the rows that accept least decode through a tail of rounds that cost nearly what a full
 batch's do (on the H200 with the reference pair, 64 MT-bench prompts at batch 64: tree 16 ran

@@ -194,7 +194,7 @@ class SpecSession(DecodeSession):
             self._set_spans()
             return self._spec_round()[0]
         batch, rows = len(self.rows), self.rows
-        if not self.waiting and self._plain_drain == (self.roster, pow2_ceil(batch)):
+        if self.waiting == 0 and self._plain_drain == (self.roster, pow2_ceil(batch)):
             # Draining, plain decoding chosen for these rows: their tokens left fall together and
             # no acceptance is observed, so nothing can change the choice until a row joins or
             # leaves; the policy is not asked (its work each round, ~0.1-0.2 ms at batch 64 on the
@@ -247,9 +247,9 @@ class SpecSession(DecodeSession):
         self.catch_up_seconds += time.perf_counter() - start
 
     def _drain(self) -> list[tuple[int, float]] | None:
-        """None while requests wait for a slot; else the policy's drain front of the running
-        rows, as (tokens left, relative acceptance)."""
-        if self.waiting:
+        """The policy's drain front of the running rows, as (tokens left, relative acceptance),
+        when no request waits for a slot and none will come (`waiting` 0); else None."""
+        if self.waiting != 0:
             return None
         roster, made, front = self._front
         if roster != self.roster or self.policy.round - made >= DRAIN_REFRESH:
