@@ -68,7 +68,8 @@ step rounds_8b_profile 300 python3 benchmarks/h200_decode.py --arms rounds --com
   --profile --out "$OUT/rounds_8b_profile.json"
 step decode_8b_autotune 500 python3 benchmarks/h200_decode.py --arms graph_compiled_autotune \
   --out "$OUT/decode_8b_autotune.json" --h200-json "$H"
-step e2e 300 python3 benchmarks/h200_e2e.py --num-prompts 5 --out "$OUT/e2e.json"
+# (E2E_ARGS: e.g. "--datasets gsm8k"; HF generate takes 2-3 s a prompt, all six runs ~300 s)
+step e2e 300 python3 benchmarks/h200_e2e.py --num-prompts 5 ${E2E_ARGS:-} --out "$OUT/e2e.json"
 step load 200 python3 benchmarks/h200_load.py --out "$OUT/load_8b.json"
 # issue 8's single-GPU baseline (carry .carry/drafter/data.jsonl.gz: the reference target's conversations,
 # e.g. `draftsman prepare-data --target src/draftsman/assets/reference-target --input <512 GSM8K train
