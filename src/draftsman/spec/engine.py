@@ -197,12 +197,14 @@ class SpecSession(DecodeSession):
         if self.waiting == 0 and self._plain_drain == (self.roster, pow2_ceil(batch)):
             # Draining, plain decoding chosen for these rows: their tokens left fall together and
             # no acceptance is observed, so nothing can change the choice until a row joins or
-            # leaves; the policy is not asked (its work each round, ~0.1-0.2 ms at batch 64 on the
-            # H200 host, made these rounds ~10% dearer than a plain session's steps).
+            # leaves; the policy is not asked (its choice and readiness questions took ~90 us a
+            # round at batch 64 on the H200 host, results/h200_adaptive_overhead_session13.json).
             self._set_spans(plain=True)
             if self._catch_up_due(None):
                 self._timed_catch_up()
-            return self._plain_round()[0]
+            events = self._plain_round()[0]
+            self._observe_finished(rows)
+            return events
         drain = self._drain()
         arm = self.policy.choose(batch, ready=self._captured, drain=drain)
         self._plain_drain = (self.roster, pow2_ceil(batch)) if self.policy.settled else None
@@ -233,10 +235,14 @@ class SpecSession(DecodeSession):
         if captured and not compiling:
             self.policy.observe_capture(seconds)
         self.policy.observe(arm, batch, None if untimed else seconds, accepted)
+        self._observe_finished(rows)
+        return events
+
+    def _observe_finished(self, rows: list[Request]) -> None:
+        """The policy's history of finished rows' acceptance (AdaptivePolicy.observe_finished)."""
         for row in rows:
             if row.state.done:
                 self.policy.observe_finished(row)
-        return events
 
     def _timed_catch_up(self) -> None:
         """_catch_up, synced, counted and timed for reports (catch_ups, catch_up_seconds)."""
