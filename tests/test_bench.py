@@ -149,7 +149,8 @@ def test_adaptive_arm_is_lossless_and_reports_its_choices(pair):
 
 def test_repeats_go_round_the_arms_and_report_the_median_run(pair, monkeypatch):
     """--repeats 3: every arm warmed up first, then the timed runs interleaved across the arms
-    (each in its arm's own session), and each arm reports its run of median duration."""
+    (each in its arm's own session; each round of runs starting one arm further on), and each
+    arm reports its run of median duration."""
     target_dir, drafter_dir, dataset = pair
     order, drive = [], bench.drive_session
 
@@ -165,7 +166,8 @@ def test_repeats_go_round_the_arms_and_report_the_median_run(pair, monkeypatch):
     assert result["repeats"] == 3
     timed = [(kind, id_) for kind, _, t, id_ in order if t]
     assert len(timed) == 6 and order.index(next(o for o in order if o[2])) == 2  # both warm-ups first
-    assert [k for k, _ in timed] == ["PlainSession", "SpecSession"] * 3  # interleaved
+    assert [k for k, _ in timed] == ["PlainSession", "SpecSession", "SpecSession", "PlainSession",
+                                     "PlainSession", "SpecSession"]  # interleaved, each round one arm on
     assert len({i for k, i in timed if k == "PlainSession"}) == 1  # one session per arm throughout
     for a in result["arms"]:
         assert len(a["durations_s"]) == 3 and a["duration_s"] == pytest.approx(sorted(a["durations_s"])[1], abs=1e-5)

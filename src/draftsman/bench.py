@@ -536,9 +536,9 @@ def bench_in_process(target, drafter, specs: Sequence[SpecConfig], workload: Wor
     over them) over the same prompts at every batch size. Returns one result dict per (arm,
     batch size): latency_summary keys plus acceptance, roofline (plain) and `identical`
     (speculative vs plain outputs at temperature 0). With workload.repeats > 1 every arm's
-    session is warmed up first, then the timed runs go round the arms `repeats` times, and each
-    arm reports its run of median duration (`durations_s`: all of them): a machine's drift
-    during the run falls on every arm alike."""
+    session is warmed up first, then the timed runs go round the arms `repeats` times (each
+    round starting one arm further on), and each arm reports its run of median duration
+    (`durations_s`: all of them): a machine's drift during the run falls on every arm alike."""
     arms: list[dict] = []
     greedy = workload.params.temperature == 0
     for bs in workload.batch_sizes:
@@ -554,8 +554,9 @@ def bench_in_process(target, drafter, specs: Sequence[SpecConfig], workload: Wor
 
         if live:
             sessions = {i: _warm_session(target, drafter, spec, specs, workload, bs) for i, spec in enumerate(order)}
-        for _ in range(workload.repeats):
-            for i in range(len(order)):
+        for rep in range(workload.repeats):
+            # (each repeat starts one arm further on: no arm always runs first, or after the same one)
+            for i in [(rep + j) % len(order) for j in range(len(order))] if live else range(len(order)):
                 if i not in sessions:
                     sessions[i] = _warm_session(target, drafter, order[i], specs, workload, bs)
                 session = sessions[i][0]
