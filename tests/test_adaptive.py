@@ -676,7 +676,7 @@ def test_a_wave_presumes_its_rows_as_slow_as_the_slowest_of_as_many_finished_one
     policy = AdaptivePolicy([CHAIN, TREE], explore_every=1000)
     assert policy.low_relative(64) == 1.0  # nothing finished yet: the batch's own
     for i in range(100):  # relative acceptance 0.2, 0.21, ..., 1.19
-        policy.observe_finished(_row(0.2 + i / 100, 1.0))
+        policy.observe_finished(_row(100, 100 / (0.2 + i / 100)))
     assert policy.low_relative(64) == pytest.approx(0.21)  # index 100 // 65 = 1
     assert policy.low_relative(1) == pytest.approx(0.7)  # the median
     fresh = [_row(0, 0, left=120) for _ in range(64)]
@@ -699,12 +699,12 @@ def test_a_wave_presumes_its_rows_as_slow_as_the_slowest_of_as_many_finished_one
     assert [(r.state.left, rel) for r, rel in policy.drain_front(rows)] == [(100, 1.0), (90, 0.5)]
 
 
-def _row(accepted: float, expected: float, left: int = 10):
+def _row(accepted: int, expected: float, left: int = 10):
     """A Request with `left` tokens of budget and the given acceptance counters."""
     from draftsman.session import Request
 
     r = Request(object(), [1], StopRules(max_new_tokens=left))
-    r.accepted, r.expected = accepted, expected
+    r.histogram, r.expected = [0, accepted], expected  # (`accepted` rounds of one accepted draft)
     return r
 
 

@@ -54,13 +54,17 @@ class Request:
     state: RowState = field(init=False)
     histogram: list[int] = field(default_factory=list)  # rounds by accepted drafts (speculation)
     drafted: int = 0  # draft tokens verified for this request, over all its rounds
-    accepted: int = 0  # ... and accepted
     # What its batch peers accepted in the same rounds, per row (a round's mean): accepted /
     # expected is the request's acceptance relative to its batch's, whatever the arms were.
     expected: float = 0.0
 
     def __post_init__(self) -> None:
         self.state = RowState(self.rules)
+
+    @property
+    def accepted(self) -> int:
+        """Drafts accepted over all its rounds (from `histogram`)."""
+        return sum(a * rounds for a, rounds in enumerate(self.histogram))
 
 
 @contextmanager

@@ -351,7 +351,6 @@ class SpecSession(DecodeSession):
         mean = sum(lens) / len(lens)
         for row, a in zip(self.rows, lens, strict=True):
             row.drafted += drafted
-            row.accepted += a
             row.expected += mean
             if len(row.histogram) <= self.max_steps:
                 row.histogram += [0] * (self.max_steps + 1 - len(row.histogram))
