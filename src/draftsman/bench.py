@@ -551,35 +551,38 @@ def bench_in_process(target, drafter, specs: Sequence[SpecConfig], workload: Wor
         live = workload.repeats > 1
         sessions: dict = {}
         runs: dict = {i: [] for i in range(len(order))}  # (run, graph captures, catch-ups, catch-up s)
-
+        results: dict = {}
         if live:
             sessions = {i: _warm_session(target, drafter, spec, specs, workload, bs) for i, spec in enumerate(order)}
         for rep in range(workload.repeats):
-            # (each repeat starts one arm further on: no arm always runs first, or after the same one)
-            for i in [(rep + j) % len(order) for j in range(len(order))] if live else range(len(order)):
+            for j in range(len(order)):
+                i = (rep + j) % len(order)  # (each repeat starts one arm further on)
                 if i not in sessions:
                     sessions[i] = _warm_session(target, drafter, order[i], specs, workload, bs)
                 session = sessions[i][0]
-                before, catch_ups = captures(target, drafter), getattr(session, "catch_ups", 0)
-                catch_up_s = getattr(session, "catch_up_seconds", 0.0)
+                before, catch_ups = captures(target, drafter), _catch_ups(session)
                 run = drive_session(session, _requests(workload.prompts, workload), bs, on_finish)
-                runs[i].append((run, captures(target, drafter) - before, getattr(session, "catch_ups", 0) - catch_ups,
-                                getattr(session, "catch_up_seconds", 0.0) - catch_up_s))
+                after = _catch_ups(session)
+                runs[i].append((run, captures(target, drafter) - before, after[0] - catch_ups[0],
+                                after[1] - catch_ups[1]))
                 if not live:
-                    arms.append(_arm_result(order[i], specs, bs, runs[i], sessions.pop(i), copy_bandwidth, target))
+                    results[i] = _arm_result(order[i], specs, bs, runs[i], sessions.pop(i), copy_bandwidth, target)
         if live:
-            arms += [_arm_result(spec, specs, bs, runs[i], sessions[i], copy_bandwidth, target)
-                     for i, spec in enumerate(order)]
-        plain_outputs = next(a.pop("_outputs") for a in arms if a.get("_outputs") is not None and a["arm"] == "plain"
-                             and a["batch_size"] == bs)
-        for a in arms:
-            outputs = a.pop("_outputs", None)
-            if outputs is None or a["arm"] == "plain":
-                continue
+            results = {i: _arm_result(spec, specs, bs, runs[i], sessions[i], copy_bandwidth, target)
+                       for i, spec in enumerate(order)}
+        plain_outputs = results[0].pop("_outputs")
+        for i in range(1, len(order)):
+            outputs = results[i].pop("_outputs")
             mismatched = sum(x != y for x, y in zip(outputs, plain_outputs, strict=True))
-            a["identical"] = (mismatched == 0) if greedy else None
-            a["mismatched_requests"] = mismatched if greedy else None
+            results[i]["identical"] = (mismatched == 0) if greedy else None
+            results[i]["mismatched_requests"] = mismatched if greedy else None
+        arms += [results[i] for i in range(len(order))]
     return arms
+
+
+def _catch_ups(session: DecodeSession) -> tuple[int, float]:
+    """An adaptive session's catch-ups so far and their seconds ((0, 0.0) for other sessions)."""
+    return getattr(session, "catch_ups", 0), getattr(session, "catch_up_seconds", 0.0)
 
 
 def _warm_session(target, drafter, spec, specs: Sequence[SpecConfig], workload: Workload, bs: int) -> tuple:
