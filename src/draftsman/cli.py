@@ -49,7 +49,8 @@ def print_json(obj: dict) -> None:
 
 # Subcommand modules under draftsman.commands, in --help order. Each module has a docstring
 # (shown by `draftsman CMD --help`), HELP (one line), add_arguments(parser) and run(args).
-COMMANDS = ["demo", "generate", "prepare-data", "train", "dump-hidden", "eval-drafter", "bench", "doctor", "serve", "export"]
+COMMANDS = ["demo", "generate", "prepare-data", "train", "dump-hidden", "eval-drafter", "bench", "doctor", "serve",
+            "export", "convert"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,12 +70,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def resolve_target_arg(spec: str) -> str:
+    """--target as a checkpoint directory (draftsman.target_source), or exit naming the fault."""
+    from draftsman.target_source import TargetSourceError, resolve_target
+
+    try:
+        return str(resolve_target(spec))
+    except TargetSourceError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if getattr(args, "target", None) and args.command != "export":
+        args.target = resolve_target_arg(args.target)
     return int(args.func(args) or 0)
 
 

@@ -115,7 +115,7 @@ HELP = "measure speed-up, latency and acceptance: plain vs speculative, in-proce
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--target", help="HF checkpoint directory: benchmark draftsman's engine in-process")
+    where.add_argument("--target", help="HF checkpoint directory, .gguf file or hub id: benchmark draftsman's engine in-process")
     where.add_argument("--server-url", help="OpenAI-compatible server (e.g. http://127.0.0.1:8000)")
     p.add_argument("--drafter", help="EAGLE-3 drafter directory (in-process): adds speculative arms")
     p.add_argument("--model", help="model name to request (client; default: the first of /v1/models)")

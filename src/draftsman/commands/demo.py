@@ -25,7 +25,7 @@ HELP = "plain vs speculative decoding on the embedded reference pair: speed-up, 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="target checkpoint (default: the embedded reference target)")
+    p.add_argument("--target", help="target checkpoint directory, .gguf file or hub id (default: the embedded reference target)")
     p.add_argument("--drafter", help="EAGLE-3 drafter (default: the embedded reference drafter)")
     p.add_argument("--prompt", action="append", help="chat prompt (repeatable; default: built-in prompts)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="tokens per prompt (default 96)")

@@ -83,7 +83,7 @@ HELP = "why is acceptance low? static checks, expected vs live acceptance, conve
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from draftsman.doctor.live import SIMULATIONS
 
-    p.add_argument("--target", required=True, help="HF checkpoint directory of the target model")
+    p.add_argument("--target", required=True, help="HF checkpoint directory, .gguf file or hub id (org/name) of the target model")
     p.add_argument("--drafter", action="append", required=True,
                    help="EAGLE-3 drafter directory (repeat to compare drafters on the same prompts)")
     p.add_argument("--server-url", help="OpenAI-compatible server serving the (first) drafter: measure its τ")

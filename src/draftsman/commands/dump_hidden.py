@@ -22,7 +22,7 @@ HELP = "dump a target's aux/final hidden states for offline drafter training"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, help="HF checkpoint directory of the target model")
+    p.add_argument("--target", required=True, help="HF checkpoint directory, .gguf file or hub id (org/name) of the target model")
     p.add_argument("--data", required=True, nargs="+", help="JSONL conversation file(s)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--aux-layers", help="aux layer ids, input-of-layer convention (default 2,L//2,L-3)")

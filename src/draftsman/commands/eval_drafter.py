@@ -26,7 +26,7 @@ HELP = "teacher-forced per-step acceptance of a drafter and the tau it predicts"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, help="HF checkpoint directory of the target model")
+    p.add_argument("--target", required=True, help="HF checkpoint directory, .gguf file or hub id (org/name) of the target model")
     p.add_argument("--drafter", required=True, help="EAGLE-3 drafter directory")
     p.add_argument("--data", required=True, help="held-out JSONL conversations (or a dump-hidden directory)")
     p.add_argument("--num-samples", type=int, default=200, help="conversations to use (default 200)")

@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", required=True, help="drafter directory (any supported layout) or training state")
     p.add_argument("--to", required=True, choices=EXPORT_FORMATS, help="target engine / format")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--target", help="target checkpoint directory or hub name (required for speculators)")
+    p.add_argument("--target", help="target checkpoint directory, .gguf file or hub name (required for speculators)")
     p.add_argument("--draft-config", help="draft config json for a SpecForge training state")
     p.add_argument("--layer-id-convention", choices=["input", "output", "sglang", "vllm", "specforge", "eagle"],
                    help="how to read the input's eagle_config ids when the file is ambiguous")

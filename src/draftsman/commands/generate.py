@@ -33,7 +33,7 @@ HELP = "decode prompts with a target, plainly or speculatively with --drafter"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, help="HF checkpoint directory of the target model")
+    p.add_argument("--target", required=True, help="HF checkpoint directory, .gguf file or hub id (org/name) of the target model")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     src.add_argument("--prompt-ids", action="append", help="comma-separated token ids (repeat for a batch)")

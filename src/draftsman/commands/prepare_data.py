@@ -55,7 +55,7 @@ BACKOFF_S = 0.5  # first retry delay; doubles each attempt
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="HF checkpoint directory of the target (optional with --server-url)")
+    p.add_argument("--target", help="target: HF checkpoint directory, .gguf file or hub id (optional with --server-url)")
     p.add_argument("--input", required=True, help="prompt corpus, .jsonl or .jsonl.gz")
     p.add_argument("--output", required=True, help="output .jsonl (appended to; reruns resume)")
     p.add_argument("--num-samples", type=int, default=None, help="use only the first N input records")

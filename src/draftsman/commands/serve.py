@@ -40,7 +40,7 @@ HELP = "serve a target (and drafter) over an OpenAI-compatible HTTP API"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, help="HF checkpoint directory of the target model")
+    p.add_argument("--target", required=True, help="HF checkpoint directory, .gguf file or hub id (org/name) of the target model")
     p.add_argument("--drafter", help="EAGLE-3 drafter directory: decode speculatively")
     p.add_argument("--spec-steps", type=int, default=None, help="draft depth (default 5)")
     p.add_argument("--spec-topk", type=int, default=None, help="branching per draft step (default 4)")

@@ -41,7 +41,7 @@ def parse_layers(text: str | None) -> list[int] | None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, help="HF checkpoint directory of the target model")
+    p.add_argument("--target", required=True, help="HF checkpoint directory, .gguf file or hub id (org/name) of the target model")
     p.add_argument("--data", nargs="+", default=[], help="JSONL conversation file(s) (prepare-data output)")
     p.add_argument("--hidden-dir", help="train from dump-hidden states instead of running the target")
     p.add_argument("--out", required=True, help="output directory (drafter, checkpoints, logs)")

@@ -49,9 +49,27 @@ class ExportResult:
 
 
 def resolve_target(name_or_path: str | None) -> TargetRef | None:
+    """The name as given (what a speculators export records) and, where it can be read, the
+    target's config: a directory's, a .gguf file's (converted), or a hub id's config.json."""
+    from draftsman.target_source import (
+        TargetSourceError,
+        cached_gguf_checkpoint,
+        hub_snapshot,
+        is_gguf,
+        is_hub_id,
+    )
+
     if name_or_path is None:
         return None
-    cfg_file = Path(name_or_path) / "config.json"
+    folder = Path(name_or_path)
+    if is_gguf(name_or_path):
+        folder = cached_gguf_checkpoint(folder)
+    elif is_hub_id(name_or_path):
+        try:
+            folder = hub_snapshot(name_or_path, patterns=["config.json"])
+        except TargetSourceError:  # offline: the name is recorded, the drafter is not checked
+            return TargetRef(name_or_path)
+    cfg_file = folder / "config.json"
     if not cfg_file.is_file():
         return TargetRef(name_or_path)
     raw = read_json(cfg_file)
