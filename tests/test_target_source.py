@@ -57,7 +57,7 @@ def test_cli_names_a_file_that_is_not_gguf(tmp_path, capsys):
 
 
 def test_target_that_is_nothing_is_named(tmp_path):
-    with pytest.raises(TargetSourceError, match="no such directory or .gguf file, and not a hub id"):
+    with pytest.raises(TargetSourceError, match=r"no such directory or \.gguf file, and not a hub id"):
         resolve_target(tmp_path / "nope" / "deeper")
     with pytest.raises(TargetSourceError, match="no such GGUF file"):
         resolve_target(tmp_path / "absent.gguf")
