@@ -54,6 +54,11 @@ def test_cli_names_a_file_that_is_not_gguf(tmp_path, capsys):
     with pytest.raises(SystemExit, match=r"error: --gguf .*missing\.gguf: no such file"):
         main(["convert", "--gguf", str(tmp_path / "missing.gguf"), "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(SystemExit, match=r"--out .*mine: exists and is not a conversion draftsman wrote"):
+        main(["convert", "--gguf", str(bad), "--out", str(tmp_path / "mine")])
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
 
 def test_target_that_is_nothing_is_named(tmp_path):

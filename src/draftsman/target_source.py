@@ -111,10 +111,14 @@ def dequantizable_types() -> set[str]:
 def convert_gguf(gguf_file: str | Path, out: str | Path, dtype: torch.dtype = torch.float32) -> Path:
     """Dequantize a GGUF file (transformers' reader) into a plain HF checkpoint directory:
     config.json, model.safetensors, generation_config.json and the tokenizer with its chat
-    template. Written to a temporary sibling and renamed, so an interrupted run leaves nothing."""
+    template. Written to a temporary sibling and renamed, so an interrupted run leaves nothing;
+    an existing `out` is replaced only when it is an earlier conversion (its SOURCE.json)."""
     gguf_file, out = Path(gguf_file), Path(out)
     if not gguf_file.is_file():
         raise TargetSourceError(f"--gguf {gguf_file}: no such file")
+    if out.exists() and any(out.iterdir()) and not (out / "SOURCE.json").is_file():
+        raise TargetSourceError(f"--out {out}: exists and is not a conversion draftsman wrote; "
+                                "choose a new directory (nothing was changed)")
     architecture = check_gguf(gguf_file)
     _require_accelerate()
     from safetensors.torch import save_file

@@ -24,7 +24,7 @@ HELP = "dequantize a GGUF file into a plain HF checkpoint directory"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf", required=True, help="the .gguf file")
-    p.add_argument("--out", required=True, help="output checkpoint directory (replaced if it exists)")
+    p.add_argument("--out", required=True, help="output checkpoint directory (new, or an earlier conversion to replace)")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES),
                    help="dtype of the written weights (default float32: the dequantized values exactly; "
                         "bfloat16 halves the size)")
