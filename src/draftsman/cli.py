@@ -71,9 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_target_arg(spec: str) -> str:
-    """--target as a checkpoint directory (draftsman.target_source), or exit naming the fault."""
-    from draftsman.target_source import TargetSourceError, resolve_target
+    """--target as a checkpoint directory (draftsman.target_source), or exit naming the fault.
+    Anything but a .gguf file or a hub id passes unchanged: the command checks its other flags
+    first and names a missing directory itself."""
+    from draftsman.target_source import TargetSourceError, is_gguf, is_hub_id, resolve_target
 
+    if not (is_gguf(spec) or is_hub_id(spec)):
+        return spec
     try:
         return str(resolve_target(spec))
     except TargetSourceError as e:
