@@ -1,4 +1,5 @@
-"""End-to-end speed of the embedded reference pair against HF transformers on the same weights:
+"""End-to-end speed of a pair (default: the embedded reference pair; --target/--drafter for
+another, e.g. SmolLM2 and its drafter) against HF transformers on the same weights:
 draftsman's plain decoding and speculation (`draftsman bench`, default tree), HF `generate`, and
 HF's assisted generation in the form that can run without a second HF model (prompt lookup:
 n-gram drafts from the prompt; HF's model-based assisted generation needs an HF causal LM as the
@@ -54,13 +55,17 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--prompt-lookup-tokens", type=int, default=10)
+    ap.add_argument("--target", help="default: the embedded reference target")
+    ap.add_argument("--drafter", help="default: the embedded reference drafter")
     ap.add_argument("--out")
     args = ap.parse_args()
+    if (args.target is None) != (args.drafter is None):
+        ap.error("give both --target and --drafter, or neither (the embedded pair)")
     import transformers
 
     from draftsman import reference_pair
 
-    target, drafter = (str(p) for p in reference_pair())
+    target, drafter = (args.target, args.drafter) if args.target else (str(p) for p in reference_pair())
     tokenizer = load_tokenizer(target)
     hf = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, args.dtype)).to(args.device)
     hf.eval()

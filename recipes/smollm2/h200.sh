@@ -10,6 +10,8 @@
 #            for the trip back
 #   pair     benchmarks/reference_pair.py with this pair (tau, acceptance per position, speed-up
 #            over plain: MT-bench, HumanEval, GSM8K, T=0 and 1)
+#   e2e      benchmarks/h200_e2e.py with this pair: draftsman plain and speculative against HF
+#            generate on the same weights (not run yet)
 #
 #   STAGES="convert data" bash recipes/smollm2/h200.sh      (on the GPU machine, repository root)
 #
@@ -17,7 +19,7 @@
 # reference recipe), the gguf wheel. Work in $W (default /tmp/smol: kept while the machine is held).
 set -u
 W=${W:-/tmp/smol}
-OUT=${OUT:-$W/out}  # what comes back: logs.tgz, drafter.tar.part-*, pair_h200.json (a device call returns <= 8 files)
+OUT=${OUT:-$W/out}  # what comes back: logs.tgz, drafter.tar.part-*, pair_h200.json, e2e_h200.json (<= 8 files a call)
 L=$W/logs
 mkdir -p "$W" "$OUT" "$L"
 export PYTHONPATH=$PWD/src:/tmp/site:${PYTHONPATH:-}
@@ -25,7 +27,7 @@ DS="python3 -m draftsman.cli"
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 run() {  # run NAME SECONDS CMD...: under a deadline (SIGTERM: the trainer checkpoints and stops)
   local name=$1 limit=$2; shift 2
-  if [[ " ${STAGES:-convert data train collect pair} " != *" ${name%%_*} "* ]]; then return; fi
+  if [[ " ${STAGES:-convert data train collect pair e2e} " != *" ${name%%_*} "* ]]; then return; fi
   local t=$(date +%s)
   if declare -F "$1" > /dev/null; then "$@" >> "$L/$name.log" 2>&1  # (short shell steps: no deadline)
   else timeout -k 60 "$limit" "$@" >> "$L/$name.log" 2>&1; fi
@@ -71,6 +73,8 @@ run collect 200 collect
 run pair "${PAIR_S:-300}" python3 benchmarks/reference_pair.py --device cuda --target "$W/target" \
   --drafter "$W/published" --datasets "${PAIR_SETS:-mt-bench,humaneval,gsm8k}" --temperatures 0,1 \
   --num-prompts "${PAIR_PROMPTS:-20}" --out "$OUT/pair_h200.json"
+run e2e "${E2E_S:-300}" python3 benchmarks/h200_e2e.py --target "$W/target" --drafter "$W/published" \
+  --num-prompts "${PAIR_PROMPTS:-10}" --datasets "${PAIR_SETS:-mt-bench,humaneval,gsm8k}" --out "$OUT/e2e_h200.json"
 cp "$W"/drafter/*log.jsonl "$L/" 2>/dev/null
 [ -f "$W/data.jsonl" ] && wc -l "$W/data.jsonl" > "$L/data_lines.txt"
 tar czf "$OUT/logs.tgz" -C "$W" logs
