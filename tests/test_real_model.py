@@ -7,13 +7,14 @@ for this target (d2t/t2d over a draft vocabulary smaller than the target's)."""
 from __future__ import annotations
 
 import json
-import math
 import os
+from collections import Counter
 
 import pytest
 import torch
 from conftest import SHARED
 from smollm2 import asset_cache, fetch_gguf
+from test_engine import _chi2_critical
 
 import draftsman
 from draftsman.generate import StopRules, generate_plain
@@ -162,11 +163,6 @@ def test_greedy_speculation_is_lossless_on_real_weights(target, drafter, mt_benc
     assert out.stats["accept_length"] > 1.2  # drafts were accepted, not only bonus tokens
 
 
-def _chi2_critical(dof: int, z: float = 4.75) -> float:
-    """Wilson-Hilferty upper quantile of chi-square (z=4.75: p ~ 1e-6)."""
-    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
-
-
 def test_sampling_matches_target_distribution_on_real_weights(target, drafter, mt_bench_prompts):
     """T=1: the joint law of the first two tokens over 300 runs equals the target's own, by a
     chi-square test over the pairs the target gives enough mass (the rest pooled)."""
@@ -182,8 +178,8 @@ def test_sampling_matches_target_distribution_on_real_weights(target, drafter, m
     spec = SpecConfig(steps=2, topk=3, draft_tokens=7)
     out = SpecEngine(target, drafter, spec).generate([prompt] * n, StopRules(max_new_tokens=2),
                                                      SamplingParams(temperature=1.0, seed=0))
-    pairs = [tuple(t[:2]) for t in out.token_ids]
-    observed = {k: sum(p == k for p in pairs) for k in expected}
+    counts = Counter(tuple(t[:2]) for t in out.token_ids)
+    observed = {k: counts[k] for k in expected}
     stat = sum((observed[k] - e) ** 2 / e for k, e in expected.items())
     rest_o, rest_e = n - sum(observed.values()), n - sum(expected.values())
     stat += (rest_o - rest_e) ** 2 / max(rest_e, 1.0)
