@@ -47,7 +47,7 @@ def is_hub_id(spec: str | Path) -> bool:
     return not Path(spec).exists() and bool(HUB_ID.match(str(spec)))
 
 
-def resolve_target(spec: str | Path, *, quiet: bool = False) -> Path:
+def resolve_target(spec: str | Path) -> Path:
     """A checkpoint directory for --target: the directory itself, the converted checkpoint of a
     .gguf file (converted on first use, then cached), or the snapshot of a hub id."""
     path = Path(spec)
@@ -56,7 +56,7 @@ def resolve_target(spec: str | Path, *, quiet: bool = False) -> Path:
     if is_gguf(spec):
         if not path.is_file():
             raise TargetSourceError(f"--target {spec}: no such GGUF file")
-        return cached_gguf_checkpoint(path, quiet=quiet)
+        return cached_gguf_checkpoint(path)
     if is_hub_id(spec):
         return hub_snapshot(str(spec))
     if path.exists():
@@ -159,7 +159,7 @@ def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def cached_gguf_checkpoint(gguf_file: Path, quiet: bool = False) -> Path:
+def cached_gguf_checkpoint(gguf_file: Path) -> Path:
     """The float32 checkpoint of a GGUF file in draftsman's cache, converted on first use. Keyed
     by the file's resolved path, size and modification time, so an edited file converts anew."""
     st = gguf_file.stat()
@@ -167,9 +167,7 @@ def cached_gguf_checkpoint(gguf_file: Path, quiet: bool = False) -> Path:
     out = cache_root() / "gguf" / f"{gguf_file.stem}-{key}"
     if (out / "config.json").is_file():
         return out
-    if not quiet:
-        print(f"converting {gguf_file} to a float32 checkpoint in {out} (once; later runs reuse it)",
-              file=sys.stderr)
+    print(f"converting {gguf_file} to a float32 checkpoint in {out} (once; later runs reuse it)", file=sys.stderr)
     return convert_gguf(gguf_file, out, torch.float32)
 
 
