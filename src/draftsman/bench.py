@@ -176,7 +176,7 @@ ARM_DEFAULTS = NO_ACCEPTANCE | {
     "weight_bytes_per_step": None, "decode_step_ms": None, "weight_bandwidth_gb_s": None,
     "bandwidth_fraction": None, "url": None, "adaptive": None, "graph_captures": None, "warmup_passes": None,
     "session_steps": None, "time_in_steps_s": None, "joins": None, "time_in_joins_s": None, "time_elsewhere_s": None,
-    "durations_s": None, "catch_ups": None, "catch_up_s": None,
+    "durations_s": None, "catch_ups": None, "catch_up_s": None, "spec_rounds": None, "plain_rounds": None,
 }
 
 ADAPTIVE = "adaptive"  # the arm whose sessions pick a speculation shape (or none) per round
@@ -608,6 +608,8 @@ def _arm_result(spec, specs: Sequence[SpecConfig], bs: int, runs: list, made: tu
         deepest = max(specs if spec == ADAPTIVE else [spec], key=lambda c: c.steps)
         arm |= acceptance_from_histograms((r.histogram for r in run.requests), deepest)
         arm["acceptance_source"] = "engine"
+        arm["spec_rounds"] = sum(r.spec_rounds for r in run.requests)
+        arm["plain_rounds"] = sum(r.plain_rounds for r in run.requests)
         if spec == ADAPTIVE:  # rounds mix shapes (and plain rounds): no single drafted count
             arm["draft_tokens"] = None
             arm["adaptive"] = session.policy.summary()
@@ -648,7 +650,11 @@ def headline(arms: Sequence[dict]) -> dict:
     specs = [a for a in arms if a["kind"] != "plain" and a["batch_size"] == first]
     best = max(specs, key=lambda a: a["tokens_per_s"] or 0.0) if specs else None
     verdicts = [a["identical"] for a in arms if a["kind"] != "plain" and a.get("identical") is not None]
+    adaptive = next((a for a in specs if a["arm"] == arm_name(ADAPTIVE)), None)
+    fixed = [a["tokens_per_s"] for a in specs if a is not adaptive and a["tokens_per_s"]]
     return {
+        "adaptive_speedup": adaptive["speedup"] if adaptive else None,
+        "adaptive_vs_best_fixed": adaptive["tokens_per_s"] / max(fixed) if adaptive and fixed else None,
         "best_arm": best["arm"] if best else None,
         "accept_length": best["accept_length"] if best else None,
         "accept_rate_per_position": best["accept_rate_per_position"] if best else None,

@@ -57,6 +57,7 @@ class Request:
     # What its batch peers accepted in the same rounds, per row (a round's mean): accepted /
     # expected is the request's acceptance relative to its batch's, whatever the arms were.
     expected: float = 0.0
+    plain_rounds: int = 0  # rounds that decoded it plainly in a speculative session (adaptive policy)
 
     def __post_init__(self) -> None:
         self.state = RowState(self.rules)
@@ -65,6 +66,11 @@ class Request:
     def accepted(self) -> int:
         """Drafts accepted over all its rounds (from `histogram`)."""
         return sum(a * rounds for a, rounds in enumerate(self.histogram))
+
+    @property
+    def spec_rounds(self) -> int:
+        """Speculative rounds (verify forwards) it took part in (from `histogram`)."""
+        return sum(self.histogram)
 
 
 @contextmanager

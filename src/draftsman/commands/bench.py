@@ -14,13 +14,15 @@ sent as one user turn through the chat template (in-process: the target tokenize
 
 Arms. In-process: `plain` and one `spec-s{steps}-k{topk}-n{draft_tokens}` arm per valid
 combination of --spec-steps x --spec-topk x --spec-draft-tokens (comma lists; SGLang meanings:
-draft depth, branching per step, verified tree nodes incl. the root). Each batch size B runs
-every arm over the same prompts with at most B requests in flight, refilling a slot as soon as
-a request finishes (continuous batching). --spec-adaptive adds `spec-adaptive`: each round it
-runs one of those settings or a plain step, whichever is fastest at the running batch size by
-round times and acceptance it measures itself (it tries every choice first, keeping what it
-measured during the warm-up, as a running server would; once no request is left to join, it
-instead picks what finishes the slowest running row first; see draftsman/spec/adaptive.py). Client: `server` (the served configuration) and, with
+draft depth, branching per step, verified tree nodes incl. the root); without those flags, the
+adaptive policy's candidates (5/4/16, 5/4/6, 5/1/6). Each batch size B runs every arm over the
+same prompts with at most B requests in flight, refilling a slot as soon as a request finishes
+(continuous batching). With --spec-policy adaptive (the default without --spec-* flags; what
+generate, demo and serve decode with by default) `spec-adaptive` joins them: each round it runs
+one of those settings or a plain step, whichever is fastest at the running batch size by round
+times and acceptance it measures itself (it tries every choice first, keeping what it measured
+during the warm-up, as a running server would; once no request is left to join, it instead
+picks what finishes the slowest running row first; see draftsman/spec/adaptive.py). Client: `server` (the served configuration) and, with
 --baseline-url, `baseline` (a plain server) at each concurrency. --warmup N requests run
 untimed before every arm and batch size (in-process, again while they capture CUDA graphs, up to
 --warmup-passes times).
@@ -47,6 +49,8 @@ Output: a table, and with --json one JSON object as the last stdout line. Top-le
   server_url, baseline_url, model       client mode (null in-process)
   specs               [{steps, topk, draft_tokens}] of the speculative arms (in-process)
   copy_bandwidth_gb_s device copy bandwidth (read + write) measured in this run; null off CUDA
+  adaptive_speedup    spec-adaptive's speedup at the first batch size (null without that arm)
+  adaptive_vs_best_fixed  spec-adaptive's tokens/s / the best fixed speculative arm's, first batch size
   best_arm            the speculative arm with the highest tokens/s at the first batch size;
                       the next five keys are that arm's, at the first batch size
   accept_length       tau, or null when unknown
@@ -92,6 +96,9 @@ Output: a table, and with --json one JSON object as the last stdout line. Top-le
     catch_ups, catch_up_s
                         spec-adaptive: the drafter's catch-ups after plain rounds in the
                         reported run, and their seconds (part of its steps' time)
+    spec_rounds, plain_rounds
+                        speculative arms: rounds that decoded a request speculatively / plainly,
+                        summed over the reported run's requests (plain rounds: spec-adaptive only)
 --plot DIR writes acceptance_per_position.png (bars per speculative arm, first batch size)
 and speedup_vs_batch_size.png (a line per speculative arm).
 """
@@ -132,10 +139,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-topk", default=None, help="branching per step, comma list (default 4)")
     p.add_argument("--spec-draft-tokens", default=None,
                    help="verified nodes incl. the root, comma list (default 16; steps + 1 for topk 1)")
-    p.add_argument("--spec-adaptive", action="store_true",
-                   help="add a `spec-adaptive` arm: per round, one of the --spec-* settings or plain "
-                        "decoding, whichever measured round times and acceptance say is fastest at "
-                        "the running batch size (in-process, needs --drafter)")
+    p.add_argument("--spec-policy", choices=("adaptive", "fixed"), default=None,
+                   help="adaptive (the default without --spec-* flags): besides the fixed arms (default: the "
+                        "adaptive policy's candidates, tree 5/4/16, tree 5/4/6, chain 5), a `spec-adaptive` arm: "
+                        "per round, one of them or plain decoding, whichever measured round times and acceptance "
+                        "say is fastest at the running batch size, as generate and serve decode by default; "
+                        "fixed (the default with --spec-* flags): the fixed arms only (in-process, needs --drafter)")
+    p.add_argument("--spec-adaptive", action="store_true", help="the same as --spec-policy adaptive")
     p.add_argument("--eager-prefill", action="store_true",
                    help="prefill newcomers eagerly, as before staged prefills (by default, on a GPU, they run as "
                         "CUDA-graphed static steps over reused staging caches, prompts padded to a power of two; "
@@ -208,14 +218,17 @@ def check_args(args: argparse.Namespace) -> None:
     if args.server_url:
         if args.drafter:
             raise ValueError("--drafter is for in-process mode (--target); a server uses its own")
-        if any(f is not None for f in spec_flags) or args.spec_adaptive or args.compile or args.eager_prefill:
+        if any(f is not None for f in spec_flags) or args.spec_adaptive or args.spec_policy or args.compile \
+                or args.eager_prefill:
             raise ValueError("--spec-* flags, --compile and --eager-prefill are for in-process mode; a server uses "
                              "its own configuration")
     else:
         if args.baseline_url:
             raise ValueError("--baseline-url needs --server-url (in-process mode measures plain decoding itself)")
-        if (any(f is not None for f in spec_flags) or args.spec_adaptive) and not args.drafter:
+        if (any(f is not None for f in spec_flags) or args.spec_adaptive or args.spec_policy) and not args.drafter:
             raise ValueError("--spec-* flags need --drafter")
+        if args.spec_adaptive and args.spec_policy == "fixed":
+            raise ValueError("--spec-adaptive contradicts --spec-policy fixed")
     if args.concurrency is not None and args.batch_sizes is not None:
         raise ValueError("give --batch-sizes or --concurrency, not both")
     if args.concurrency is not None and args.concurrency < 1:
@@ -254,10 +267,20 @@ def run_in_process(args: argparse.Namespace, prompts: list[str], batch_sizes: li
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    flags = (args.spec_steps, args.spec_topk, args.spec_draft_tokens)
+    policy = "adaptive" if args.spec_adaptive else args.spec_policy or (
+        "fixed" if any(f is not None for f in flags) else "adaptive")
     try:
-        specs = bench.spec_grid(*(bench.parse_int_list(f, n) for f, n in (
-            (args.spec_steps, "--spec-steps"), (args.spec_topk, "--spec-topk"),
-            (args.spec_draft_tokens, "--spec-draft-tokens")))) if args.drafter else []
+        if not args.drafter:
+            specs = []
+        elif policy == "adaptive" and all(f is None for f in flags):
+            from draftsman.spec.adaptive import DEFAULT_CANDIDATES
+
+            specs = list(DEFAULT_CANDIDATES)
+        else:
+            specs = bench.spec_grid(*(bench.parse_int_list(f, n) for f, n in (
+                (args.spec_steps, "--spec-steps"), (args.spec_topk, "--spec-topk"),
+                (args.spec_draft_tokens, "--spec-draft-tokens"))))
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     tokenizer = load_tokenizer(args.target)
@@ -290,7 +313,7 @@ def run_in_process(args: argparse.Namespace, prompts: list[str], batch_sizes: li
     result.update(device=str(device), dtype=str(dtype).removeprefix("torch."),
                   specs=[{"steps": s.steps, "topk": s.topk, "draft_tokens": s.draft_tokens} for s in specs],
                   copy_bandwidth_gb_s=None if copy_bw is None else round(copy_bw / 1e9, 2))
-    adaptive = bool(args.spec_adaptive)
+    adaptive = bool(specs) and policy == "adaptive"
     with progress_bar(len(ids) * len(batch_sizes) * (1 + len(specs) + adaptive)) as bar:
         arms = bench.bench_in_process(model, drafter, specs, workload, copy_bw, on_finish=lambda: bar.update(1),
                                       adaptive=adaptive)

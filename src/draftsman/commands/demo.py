@@ -9,9 +9,13 @@ identical (they must be: speculation is lossless).
   draftsman demo --json               # the same, one JSON object on the last line
   draftsman demo --target DIR --drafter DIR --prompt "..." --prompt "..."
 
+Speculation is adaptive, as everywhere by default (--spec-policy): each round runs one of a few
+speculation settings or a plain step, whichever is measured fastest; --spec-* flags pin one.
+
 JSON keys: identical, accept_length, accept_rate_per_position, plain_tokens_per_s,
-spec_tokens_per_s, speedup, num_prompts, new_tokens, spec (steps/topk/draft_tokens), device,
-target, drafter.
+spec_tokens_per_s, speedup, num_prompts, new_tokens, spec ({steps, topk, draft_tokens} or
+{"adaptive": [those]}), spec_rounds, plain_rounds (rounds decoded speculatively / plainly,
+summed over prompts), device, target, drafter.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import argparse
 import sys
 
 from draftsman.cli import add_device_args, print_json, resolve_device, resolve_dtype
+from draftsman.commands.generate import add_spec_policy_arg
 
 HELP = "plain vs speculative decoding on the embedded reference pair: speed-up, τ, losslessness"
 
@@ -32,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-steps", type=int, default=None, help="draft depth (default: the engine's)")
     p.add_argument("--spec-topk", type=int, default=None, help="branching per step")
     p.add_argument("--spec-draft-tokens", type=int, default=None, help="verified tree nodes incl. root")
+    add_spec_policy_arg(p)
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default 1)")
     add_device_args(p, "float32", "default float32, so plain and speculative outputs must match token for "
                     "token on any device; in bf16 a GPU's verify and decode GEMMs round near-tied logits "
@@ -42,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from draftsman.commands.generate import spec_config_from_args
+    from draftsman.commands.generate import spec_policy_from_args
     from draftsman.generate import StopRules, generate_plain
     from draftsman.models import load_target
     from draftsman.models.eagle3 import load_drafter
@@ -64,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     texts = args.prompt or list(DEMO_PROMPTS)
     prompts = [encode_prompt(tokenizer, t, chat=True) for t in texts]
     rules = StopRules(args.max_new_tokens, frozenset(eos_token_ids(target_dir, target.config.eos_token_ids, tokenizer)))
-    engine = SpecEngine(target, drafter, spec_config_from_args(args))
+    engine = SpecEngine(target, drafter, *spec_policy_from_args(args))
     batches = [prompts[i : i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
     generate_plain(target, prompts[:1], StopRules(4))  # warm-up: first-call overheads out of the timing
     engine.generate(prompts[:1], StopRules(4))
@@ -87,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
         "num_prompts": len(prompts),
         "new_tokens": sum(len(t) for t in spec_ids),
         "spec": stats.get("spec"),
+        "spec_rounds": stats["spec_rounds"],
+        "plain_rounds": stats["plain_rounds"],
         "device": str(device),
         "target": str(target_dir),
         "drafter": str(drafter_dir),
@@ -109,8 +117,18 @@ def print_table(r: dict, sample: str, prompt: str) -> None:
         f"{'speed-up':24}{'':>12}{r['speedup']:>13.2f}x",
         f"{'accept length (tau)':24}{'1.00':>12}{r['accept_length']:>14.2f}",
         f"per-position acceptance: {rates}",
-        f"tree: steps={spec.get('steps')} topk={spec.get('topk')} draft_tokens={spec.get('draft_tokens')}; "
+        f"speculation: {describe_spec(spec)}; {r['spec_rounds']} speculative and {r['plain_rounds']} plain rounds",
         f"{r['num_prompts']} prompts, {r['new_tokens']} new tokens on {r['device']}",
         f"outputs identical: {'yes' if r['identical'] else 'NO - speculation changed the output'}",
     ]
     print("\n".join(lines), file=sys.stdout)
+
+
+def describe_spec(spec: dict) -> str:
+    """A SpecEngine.describe() dict in words."""
+    def shape(c: dict) -> str:
+        return f"steps={c['steps']} topk={c['topk']} draft_tokens={c['draft_tokens']}"
+
+    if "adaptive" in spec:
+        return "adaptive, each round plain or one of [" + "; ".join(shape(c) for c in spec["adaptive"]) + "]"
+    return "fixed, " + shape(spec)

@@ -13,7 +13,14 @@ topk 1, has steps + 1). Output is the target's own, token for token at temperatu
 With --json the last stdout line is one JSON object: token_ids (generated ids only; a list of
 lists when several prompts are given), text (when the checkpoint has a tokenizer),
 num_new_tokens, time_s, tokens_per_s, finish_reasons, and with --drafter also
-accept_length (tau: tokens per target verify forward) and accept_rate_per_position.
+accept_length (tau: tokens per target verify forward, over speculative rounds),
+accept_rate_per_position, spec ({steps, topk, draft_tokens}, or {"adaptive": [those]}), and
+spec_rounds / plain_rounds (per request: rounds it was decoded speculatively / plainly).
+
+With --drafter, speculation is adaptive by default (--spec-policy): each round runs one of a few
+speculation settings or a plain step, whichever is measured fastest right now, so a drafter that
+cannot pay (sampling, large batches, slow verification) costs little more than plain decoding.
+--spec-* flags pin one setting (--spec-policy fixed), as for experiments.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-topk", type=int, default=None, help="branching per draft step (default 4)")
     p.add_argument("--spec-draft-tokens", type=int, default=None,
                    help="verified tree nodes incl. the root (default 16; steps + 1 when topk is 1)")
+    add_spec_policy_arg(p)
     p.add_argument("--batch-size", type=int, default=None,
                    help="decode prompts in batches of this size (default: all together)")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to --prompt")
@@ -100,7 +108,9 @@ def run(args: argparse.Namespace) -> int:
             print(shown if len(prompts) == 1 else f"[{i}] {shown}")
     if out.stats:
         rates = " ".join(f"{p:.2f}" for p in out.stats["accept_rate_per_position"])
-        print(f"accept length (tau) {out.stats['accept_length']:.2f}; per position {rates}", file=sys.stderr)
+        print(f"accept length (tau) {out.stats['accept_length']:.2f}; per position {rates}; "
+              f"{out.stats['spec_rounds']} speculative and {out.stats['plain_rounds']} plain rounds "
+              "(summed over requests)", file=sys.stderr)
     print(f"{out.num_new_tokens} tokens in {out.time_s:.2f} s ({out.tokens_per_s:.1f} tok/s)", file=sys.stderr)
     if args.json:
         single = len(prompts) == 1
@@ -117,8 +127,40 @@ def run(args: argparse.Namespace) -> int:
             result["accept_length"] = round(out.stats["accept_length"], 4)
             result["accept_rate_per_position"] = [round(p, 4) for p in out.stats["accept_rate_per_position"]]
             result["spec"] = out.stats["spec"]
+            rounds = [(r["spec_rounds"], r["plain_rounds"]) for r in out.stats["per_request"]]
+            result["spec_rounds"] = rounds[0][0] if single else [s for s, _ in rounds]
+            result["plain_rounds"] = rounds[0][1] if single else [p for _, p in rounds]
         print_json(result)
     return 0
+
+
+SPEC_POLICY_HELP = (
+    "adaptive (the default without --spec-* flags): each round speculate with one of a few settings "
+    "(the tree 5/4/16, the tree 5/4/6, the chain 5; or just the --spec-* one) or decode plainly, "
+    "whichever round times and acceptance measured while decoding say is fastest, so speculation "
+    "that would lose falls back to plain decoding and is probed again later; fixed (the default "
+    "with --spec-* flags): every round speculates with the --spec-* setting")
+
+
+def add_spec_policy_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spec-policy", choices=("adaptive", "fixed"), default=None, help=SPEC_POLICY_HELP)
+
+
+def spec_flags_given(args: argparse.Namespace) -> bool:
+    return any(v is not None for v in (args.spec_steps, args.spec_topk, args.spec_draft_tokens))
+
+
+def spec_policy_from_args(args: argparse.Namespace):
+    """(spec, candidates) for SpecEngine / SpecSession: a pinned SpecConfig and None (fixed
+    policy), or None and the adaptive policy's candidates (the --spec-* setting alone when
+    given, else DEFAULT_CANDIDATES)."""
+    from draftsman.spec.adaptive import DEFAULT_CANDIDATES
+
+    flags = spec_flags_given(args)
+    policy = args.spec_policy or ("fixed" if flags else "adaptive")
+    if policy == "fixed":
+        return spec_config_from_args(args), None
+    return None, (spec_config_from_args(args),) if flags else DEFAULT_CANDIDATES
 
 
 def spec_config_from_args(args: argparse.Namespace):
@@ -141,19 +183,19 @@ def make_decoder(args: argparse.Namespace, model, device):
     from draftsman.generate import generate_plain
 
     if not args.drafter:
-        if any(v is not None for v in (args.spec_steps, args.spec_topk, args.spec_draft_tokens)):
+        if spec_flags_given(args) or args.spec_policy:
             raise SystemExit("error: --spec-* flags need --drafter")
         return lambda prompts, rules, params: generate_plain(model, prompts, rules, params)
     from draftsman.models.eagle3 import load_drafter
     from draftsman.spec.engine import SpecEngine
 
-    spec = spec_config_from_args(args)
+    spec, candidates = spec_policy_from_args(args)
     try:
         drafter = load_drafter(args.drafter, target=model, device=device, dtype=model.lm_head.weight.dtype,
                                inference=True)
     except (ValueError, RuntimeError) as e:
         raise SystemExit(f"error: --drafter {args.drafter}: {e}") from None
-    return SpecEngine(model, drafter, spec).generate
+    return SpecEngine(model, drafter, spec, candidates).generate
 
 
 def merge_outputs(parts):

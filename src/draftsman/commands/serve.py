@@ -2,8 +2,9 @@ r"""Serve a target over an OpenAI-compatible HTTP API, speculatively with --draf
 
 Examples:
   draftsman serve --target DIR
+  draftsman serve --target DIR --drafter DRAFTER_DIR --port 8000 --api-key "$KEY" --max-batch-size 32
   draftsman serve --target DIR --drafter DRAFTER_DIR --spec-steps 5 --spec-topk 4 \
-      --spec-draft-tokens 16 --port 8000 --api-key "$KEY" --max-batch-size 32
+      --spec-draft-tokens 16        # one fixed speculation setting (--spec-policy fixed)
 
 Endpoints (as vLLM and SGLang serve them):
   GET  /v1/models             the one served model (--served-model-name, default: the target
@@ -16,9 +17,17 @@ Endpoints (as vLLM and SGLang serve them):
   GET  /metrics               Prometheus text (draftsman:* names mirroring vLLM's vllm:*)
   GET  /openapi.json, /docs   the API schema
 
-Responses carry the generated `token_ids` in each choice and, when speculating, a
+Responses carry the generated `token_ids` in each choice and, with --drafter, a
 `spec_decoding` object with this request's accept_length (tau), accept_rate_per_position,
-rounds, draft_tokens and accepted_tokens (in a stream: on the last chunk).
+rounds (speculative), plain_rounds, draft_tokens and accepted_tokens (in a stream: on the
+last chunk). /metrics counts both kinds of rounds too (spec_decode_num_drafts and
+spec_decode_num_plain_rounds, summed over requests).
+
+With --drafter, speculation is adaptive by default (--spec-policy): each round the running
+batch speculates with one of a few settings, or decodes plainly, whichever round times and the
+acceptance of the requests in flight say is fastest at that batch size, so a drafter that cannot
+pay at some batch size or temperature falls back to plain decoding there (and is probed again
+later). --spec-* flags pin one setting (--spec-policy fixed).
 
 Requests arriving together decode together: a request joins the running batch between rounds
 and leaves it when done (continuous batching, up to --max-batch-size rows). A request with a seed
@@ -35,6 +44,7 @@ import argparse
 import os
 
 from draftsman.cli import add_device_args, resolve_device, resolve_dtype
+from draftsman.commands.generate import add_spec_policy_arg
 
 HELP = "serve a target (and drafter) over an OpenAI-compatible HTTP API"
 
@@ -46,9 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-topk", type=int, default=None, help="branching per draft step (default 4)")
     p.add_argument("--spec-draft-tokens", type=int, default=None,
                    help="verified tree nodes incl. the root (default 16; steps + 1 when topk is 1)")
+    add_spec_policy_arg(p)
     p.add_argument("--spec-adaptive", action="store_true",
-                   help="speculate only at batch sizes where it measures faster than plain decoding "
-                        "(round times and acceptance measured while serving; plain steps elsewhere)")
+                   help="the same as --spec-policy adaptive (with --spec-* flags: adaptive between that setting "
+                        "and plain decoding)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", default=os.environ.get("DRAFTSMAN_API_KEY"),
@@ -67,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    from draftsman.commands.generate import spec_config_from_args
+    from draftsman.commands.generate import spec_flags_given, spec_policy_from_args
     from draftsman.serve import load_state, run_server
 
     # uvicorn sets up its own loggers only; the scheduler's (failures, shutdown) go here.
@@ -75,17 +86,21 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_batch_size < 1:
         raise SystemExit("error: --max-batch-size must be >= 1")
-    spec = None
+    if args.spec_adaptive:
+        if args.spec_policy == "fixed":
+            raise SystemExit("error: --spec-adaptive contradicts --spec-policy fixed")
+        args.spec_policy = "adaptive"
+    spec = candidates = None
     if args.drafter:
-        spec = spec_config_from_args(args)
-    elif any(v is not None for v in (args.spec_steps, args.spec_topk, args.spec_draft_tokens)) or args.spec_adaptive:
+        spec, candidates = spec_policy_from_args(args)
+    elif spec_flags_given(args) or args.spec_policy:
         raise SystemExit("error: --spec-* flags need --drafter")
     device = resolve_device(args.device)
     try:
         state = load_state(args.target, args.drafter, spec, device=device,
                            dtype=resolve_dtype(args.dtype, device), max_model_len=args.max_model_len,
                            max_batch_size=args.max_batch_size, model_name=args.served_model_name,
-                           api_key=args.api_key, adaptive=args.spec_adaptive)
+                           api_key=args.api_key, candidates=candidates)
     except (OSError, ValueError, RuntimeError) as e:
         raise SystemExit(f"error: {e}") from None
     run_server(state, args.host, args.port, args.shutdown_timeout, args.log_level)

@@ -353,7 +353,8 @@ def create_app(state: ServeState) -> FastAPI:
         if state.spec_steps:
             hist = r.histogram or [0] * (state.spec_steps + 1)
             out["spec_decoding"] = spec_decoding_fields(summarize_histogram(hist, state.draft_tokens_per_round,
-                                                                            drafted=r.drafted))
+                                                                            drafted=r.drafted)
+                                                        | {"plain_rounds": r.plain_rounds})
         return out
 
     async def collect(req: SamplingRequest, job: Job, item: Event | JobFailed | None, gone: asyncio.Task,

@@ -63,6 +63,9 @@ class ServeMetrics:
                                     "(tree nodes except the root)", m, registry=r)
         self.accepted_tokens = Counter(PREFIX + "spec_decode_num_accepted_tokens", "Drafted tokens "
                                        "accepted", m, registry=r)
+        self.plain_rounds = Counter(PREFIX + "spec_decode_num_plain_rounds", "Rounds that decoded a request "
+                                    "plainly in a speculative server (adaptive speculation), summed over requests",
+                                    m, registry=r)
         self.accepted_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Rounds "
                                         "that accepted a drafted token at this depth (0-based)",
                                         [*m, "position"], registry=r)
@@ -73,9 +76,11 @@ class ServeMetrics:
     def request_done(self, endpoint: str, status: int, finish_reason: str | None) -> None:
         self.requests.labels(self.model_name, endpoint, str(status), finish_reason or "none").inc()
 
-    def count_rounds(self, hist_delta: Sequence[int], draft_tokens: int) -> None:
+    def count_rounds(self, hist_delta: Sequence[int], draft_tokens: int, plain_rounds: int = 0) -> None:
         """Add rounds given as a histogram delta (index = drafted tokens accepted in the round)
-        and the draft tokens they verified."""
+        and the draft tokens they verified, and plain rounds."""
+        if plain_rounds:
+            self.plain_rounds.labels(self.model_name).inc(plain_rounds)
         rounds = sum(hist_delta)
         if rounds == 0:
             return
@@ -90,7 +95,7 @@ class ServeMetrics:
 
     def init_positions(self, depth: int) -> None:
         """Export every position from the start (at 0), so a scrape before traffic shows them."""
-        for c in (self.drafts, self.draft_tokens, self.accepted_tokens):
+        for c in (self.drafts, self.draft_tokens, self.accepted_tokens, self.plain_rounds):
             c.labels(self.model_name)
         for pos in range(depth):
             self.accepted_per_pos.labels(self.model_name, str(pos))

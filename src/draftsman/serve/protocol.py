@@ -178,7 +178,9 @@ class SpecDecoding(BaseModel):
 
     accept_length: float = Field(description="tau: tokens emitted per target verify forward")
     accept_rate_per_position: list[float] = Field(description="rounds accepting >= i+1 drafts / rounds")
-    rounds: int = Field(description="target verify forwards (drafts)")
+    rounds: int = Field(description="speculative rounds: target verify forwards (drafts)")
+    plain_rounds: int = Field(description="rounds that decoded this request plainly (adaptive speculation: "
+                              "where speculating would have been slower)")
     draft_tokens: int = Field(description="drafted tokens verified: rounds x (draft tokens - 1)")
     accepted_tokens: int
 
@@ -243,6 +245,7 @@ def spec_decoding_fields(summary: dict) -> dict:
         "accept_length": round(summary["accept_length"], 4),
         "accept_rate_per_position": [round(p, 4) for p in summary["accept_rate_per_position"]],
         "rounds": summary["rounds"],
+        "plain_rounds": summary["plain_rounds"],
         "draft_tokens": summary["drafted_tokens"],
         "accepted_tokens": summary["accepted_tokens"],
     }

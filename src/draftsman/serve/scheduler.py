@@ -59,6 +59,7 @@ class Job:
     last_token: float | None = None
     counted: list[int] = field(default_factory=list)  # histogram already added to the metrics
     counted_drafted: int = 0  # draft tokens already added to the metrics
+    counted_plain: int = 0  # plain rounds already added to the metrics
 
     @property
     def request_id(self) -> Hashable:
@@ -272,11 +273,12 @@ class Scheduler:
             job.push(ev)
 
     def _count_rounds(self, job: Job) -> None:
-        hist = job.request.histogram
-        if not self.draft_tokens_per_round or hist == job.counted:
+        r = job.request
+        if not self.draft_tokens_per_round or (r.histogram == job.counted and r.plain_rounds == job.counted_plain):
             return
-        self.metrics.count_rounds(histogram_delta(hist, job.counted), job.request.drafted - job.counted_drafted)
-        job.counted, job.counted_drafted = list(hist), job.request.drafted
+        self.metrics.count_rounds(histogram_delta(r.histogram, job.counted), r.drafted - job.counted_drafted,
+                                  r.plain_rounds - job.counted_plain)
+        job.counted, job.counted_drafted, job.counted_plain = list(r.histogram), r.drafted, r.plain_rounds
 
     def _update_gauges(self) -> None:
         name = self.metrics.model_name

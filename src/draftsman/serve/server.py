@@ -57,12 +57,15 @@ def build_state(
     model_name: str = "draftsman",
     api_key: str | None = None,
     adaptive: bool = False,
+    candidates=None,
 ) -> ServeState:
     """Wire a loaded target (and drafter) to a scheduler, metrics and the tokenizer.
 
-    adaptive: speculate with `spec` only where that is faster than plain decoding at the running
-    batch size, by round times and acceptance measured while serving (spec/adaptive.py; one
-    policy for all sessions).
+    With a drafter, speculation is adaptive unless `spec` pins a shape: one AdaptivePolicy for
+    all sessions runs, each round, one of `candidates` (default DEFAULT_CANDIDATES; `spec` alone
+    with adaptive=True) or a plain step, whichever round times and acceptance measured while
+    serving say is fastest at the running batch (spec/adaptive.py). `spec` without adaptive:
+    every round speculates with it.
 
     max_model_len bounds prompt + generated tokens of one request (a cache row has this many
     slots); it defaults to the target's max_position_embeddings capped at DEFAULT_MAX_MODEL_LEN,
@@ -77,22 +80,24 @@ def build_state(
     metrics = ServeMetrics(model_name)
     new_session: SessionFactory
     if drafter is None:
-        if spec is not None or adaptive:
+        if spec is not None or adaptive or candidates:
             raise ValueError("speculation settings need a drafter")
         new_session = lambda seed: PlainSession(model, max_len, seed)  # noqa: E731
         steps = per_round = 0
     else:
-        from draftsman.spec.engine import SpecConfig, SpecSession
+        from draftsman.spec.adaptive import DEFAULT_CANDIDATES, AdaptivePolicy
+        from draftsman.spec.engine import SpecSession
 
-        spec = spec or SpecConfig()
-        if adaptive:
-            from draftsman.spec.adaptive import AdaptivePolicy
-
-            policy = AdaptivePolicy([spec])
-            new_session = lambda seed: SpecSession(model, drafter, None, max_len, seed, policy=policy)  # noqa: E731
-        else:
+        if spec is not None and candidates:
+            raise ValueError("give a speculation shape (spec) or adaptive candidates, not both")
+        if spec is not None and not adaptive:
+            shapes = [spec]
             new_session = lambda seed: SpecSession(model, drafter, spec, max_len, seed)  # noqa: E731
-        steps, per_round = spec.steps, spec.draft_tokens - 1
+        else:
+            shapes = [spec] if spec is not None else list(candidates or DEFAULT_CANDIDATES)
+            policy = AdaptivePolicy(shapes)
+            new_session = lambda seed: SpecSession(model, drafter, None, max_len, seed, policy=policy)  # noqa: E731
+        steps, per_round = max(c.steps for c in shapes), max(c.draft_tokens for c in shapes) - 1
         metrics.init_positions(steps)
     scheduler = Scheduler(new_session, max_batch_size, metrics, per_round)
     return ServeState(scheduler=scheduler, metrics=metrics, tokenizer=tokenizer, eos_ids=eos_ids,

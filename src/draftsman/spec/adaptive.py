@@ -68,6 +68,12 @@ if TYPE_CHECKING:
 
 PLAIN = None  # the arm without speculation
 
+# What adaptive speculation chooses among by default, besides plain decoding: the default tree
+# (SGLang's 5/4/16), a small tree and a chain of the same depth, the arms of the H200
+# batch-scaling runs (benchmarks/h200_batch.py): the large tree wins at batch 1 on a GPU, the
+# small ones where verifying 16 nodes costs more than it yields (larger batches, the CPU).
+DEFAULT_CANDIDATES = (SpecConfig(), SpecConfig(steps=5, topk=4, draft_tokens=6), SpecConfig.chain(5))
+
 
 def bucket(batch: int) -> int:
     """Batch sizes 1, 2, 3-4, 5-8, ... share estimates: the next power of two."""

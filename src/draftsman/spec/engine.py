@@ -376,6 +376,8 @@ class SpecSession(DecodeSession):
         st["bk_feats"][:, col] = feats
         st["n"], st["root"] = st["n"] + 1, nxt.clone()  # (a graph output: see _spec_round)
         self._plain_run += 1
+        for row in self.rows:
+            row.plain_rounds += 1
         # Not counted in the requests' acceptance statistics: they describe speculative rounds.
         return self._emit(range(len(self.rows)), [[t] for t in nxt.tolist()]), [0] * len(self.rows)
 
@@ -517,13 +519,39 @@ class SpecSession(DecodeSession):
 
 
 class SpecEngine:
-    """Speculative generation of a fixed set of prompts (a SpecSession run to completion)."""
+    """Speculative generation of a fixed set of prompts (a SpecSession run to completion).
 
-    def __init__(self, target: TargetModel, drafter, spec: SpecConfig = SpecConfig()) -> None:
+    `spec` pins one speculation shape for every round. Without it (the default) the engine is
+    adaptive: an AdaptivePolicy over `candidates` (default DEFAULT_CANDIDATES) runs one of them
+    or a plain round each round, whichever its measured round times and acceptance say is
+    fastest, so where speculation would lose (sampling with a weak drafter, large batches, slow
+    verification) it decodes plainly. The policy lives as long as the engine: what it measured
+    carries over from one generate call to the next, as in a server."""
+
+    def __init__(self, target: TargetModel, drafter, spec: SpecConfig | None = None,
+                 candidates: Sequence[SpecConfig] | None = None) -> None:
+        if spec is not None and candidates is not None:
+            raise ValueError("give a SpecConfig (fixed) or candidates (adaptive), not both")
         self.target, self.drafter, self.spec = target, drafter, spec
+        self.policy = None
+        if spec is None:
+            from draftsman.spec.adaptive import DEFAULT_CANDIDATES, AdaptivePolicy
+
+            self.policy = AdaptivePolicy(list(candidates or DEFAULT_CANDIDATES))
+
+    @property
+    def shapes(self) -> list[SpecConfig]:
+        """The speculation shapes rounds may run."""
+        return [self.spec] if self.policy is None else list(self.policy.candidates)
+
+    def describe(self) -> dict:
+        """The configuration, for reports: {steps, topk, draft_tokens}, or {"adaptive": [those]}."""
+        if self.policy is None:
+            return dataclasses.asdict(self.spec)
+        return {"adaptive": [dataclasses.asdict(c) for c in self.policy.candidates]}
 
     def session(self, max_len: int, seed: int | None = None) -> SpecSession:
-        return SpecSession(self.target, self.drafter, self.spec, max_len, seed)
+        return SpecSession(self.target, self.drafter, self.spec, max_len, seed, policy=self.policy)
 
     def generate(
         self,
@@ -537,9 +565,19 @@ class SpecEngine:
         done = run_to_completion(session, prompts, rules, params)
         elapsed = time.perf_counter() - start
         out = GenerationOutput([r.state.tokens for r in done], [r.state.finish_reason for r in done], elapsed)
-        per_request = [summarize_histogram(r.histogram or [0] * (self.spec.steps + 1), self.spec.draft_tokens - 1)
-                       for r in done]
-        total = [sum(col) for col in zip(*(r.histogram or [0] * (self.spec.steps + 1) for r in done), strict=True)]
-        out.stats = summarize_histogram(total, self.spec.draft_tokens - 1) | {
-            "spec": dataclasses.asdict(self.spec), "per_request": per_request}
+        out.stats = request_stats(done, max(c.steps for c in self.shapes)) | {"spec": self.describe()}
         return out
+
+
+def request_stats(done: Sequence[Request], max_steps: int) -> dict:
+    """Acceptance statistics of finished requests, over all of them and per request
+    (summarize_histogram's keys), with their speculative and plain rounds."""
+    empty = [0] * (max_steps + 1)
+
+    def rounds(rs: Sequence[Request]) -> dict:
+        return {"spec_rounds": sum(r.spec_rounds for r in rs), "plain_rounds": sum(r.plain_rounds for r in rs)}
+
+    per_request = [summarize_histogram(r.histogram or empty, 0, drafted=r.drafted) | rounds([r]) for r in done]
+    total = [sum(col) for col in zip(*(r.histogram or empty for r in done), strict=True)]
+    return summarize_histogram(total, 0, drafted=sum(r.drafted for r in done)) | rounds(done) | {
+        "per_request": per_request}

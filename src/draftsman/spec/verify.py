@@ -438,16 +438,18 @@ def summarize_histogram(hist: list[int], draft_tokens_per_round: int, drafted: i
 
 
 def merge_stats(parts: Sequence[dict]) -> dict:
-    """Combine `SpecStats.to_dict()` results of separate runs with the same tree shape
-    (histograms add up; every ratio is recomputed from them)."""
+    """Combine the statistics of separate runs (SpecEngine.generate's `stats`): histograms, draft
+    tokens and round counts add up; every ratio is recomputed from them."""
     hists = [p["accept_length_histogram"] for p in parts]
-    total = [sum(col) for col in zip(*hists, strict=True)]
+    width = max(len(h) for h in hists)
+    total = [sum(h[i] for h in hists if i < len(h)) for i in range(width)]
     first = parts[0]
-    per_round = first["drafted_tokens"] // first["rounds"] if first["rounds"] else 0
-    out = summarize_histogram(total, per_round)
-    for key in ("spec",):
-        if key in first:
-            out[key] = first[key]
+    out = summarize_histogram(total, 0, drafted=sum(p["drafted_tokens"] for p in parts))
+    for key in ("spec_rounds", "plain_rounds"):
+        if all(key in p for p in parts):
+            out[key] = sum(p[key] for p in parts)
+    if "spec" in first:
+        out["spec"] = first["spec"]
     if all("per_request" in p for p in parts):
         out["per_request"] = [r for p in parts for r in p["per_request"]]
     return out
