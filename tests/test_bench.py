@@ -145,6 +145,34 @@ def test_adaptive_arm_is_lossless_and_reports_its_choices(pair):
     seen = {row["arm"] for row in adaptive["adaptive"] if row["rounds"]}
     assert seen == {"plain", "s2-k1-n3", "s2-k2-n7"}  # every choice measured before settling
     assert all(a["adaptive"] is None for name, a in arms.items() if name != "spec-adaptive")
+    # (the timed run may be all plain rounds: the policy kept what it measured in the warm-up)
+    assert adaptive["spec_rounds"] == (adaptive["rounds"] or 0)
+    assert adaptive["spec_rounds"] + adaptive["plain_rounds"] > 0
+    assert arms["spec-s2-k1-n3"]["plain_rounds"] == 0 and arms["spec-s2-k1-n3"]["spec_rounds"] > 0
+    assert arms["plain"]["spec_rounds"] is None
+    assert result["adaptive_speedup"] == adaptive["speedup"]
+    best_fixed = max(arms[a]["tokens_per_s"] for a in ("spec-s2-k1-n3", "spec-s2-k2-n7"))
+    assert result["adaptive_vs_best_fixed"] == pytest.approx(adaptive["tokens_per_s"] / best_fixed)
+
+
+def test_default_arms_are_the_adaptive_candidates_and_the_adaptive_arm(pair):
+    """Without --spec-* flags bench runs what generate and serve decode with by default (the
+    adaptive arm) beside each of its candidates; --spec-policy fixed drops the adaptive arm."""
+    from dataclasses import asdict
+
+    from draftsman.spec.adaptive import DEFAULT_CANDIDATES
+
+    target_dir, drafter_dir, dataset = pair
+    args = ("bench", "--target", str(target_dir), "--drafter", str(drafter_dir), "--dataset", dataset,
+            "--num-prompts", "2", "--max-new-tokens", "6", "--json")
+    _, result = run_main(*args)
+    assert result["specs"] == [asdict(c) for c in DEFAULT_CANDIDATES]
+    assert [a["arm"] for a in result["arms"]] == ["plain", "spec-s5-k4-n16", "spec-s5-k4-n6", "spec-s5-k1-n6",
+                                                 "spec-adaptive"]
+    assert result["identical"] is True
+    _, fixed = run_main(*args, "--spec-policy", "fixed")
+    assert [a["arm"] for a in fixed["arms"]] == ["plain", "spec-s5-k4-n16"]
+    assert fixed["adaptive_speedup"] is None and fixed["adaptive_vs_best_fixed"] is None
 
 
 def test_repeats_go_round_the_arms_and_report_the_median_run(pair, monkeypatch):

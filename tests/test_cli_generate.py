@@ -92,3 +92,34 @@ def test_generate_bad_input_is_explained(tiny_llama_dir, args, message):
 def test_help_lists_generate():
     res = run_cli("--help")
     assert res.returncode == 0 and "generate" in res.stdout
+
+
+def test_generate_speculates_adaptively_by_default(tiny_llama_dir, tmp_path):
+    """With --drafter and no --spec-* flags, generate is adaptive over DEFAULT_CANDIDATES and says
+    how many rounds of each kind every request took; --spec-* flags pin one setting, which
+    --spec-policy adaptive turns into the only candidate. The output is plain decoding's."""
+    from dataclasses import asdict
+
+    from draftsman.models import load_target
+    from draftsman.models.eagle3 import init_drafter, save_drafter
+    from draftsman.spec.adaptive import DEFAULT_CANDIDATES
+
+    drafter = str(save_drafter(init_drafter(load_target(tiny_llama_dir), seed=1), tmp_path / "d"))
+    base = ("generate", "--target", str(tiny_llama_dir), "--prompt-ids", "5,6,7,8", "--max-new-tokens", "24",
+            "--json")
+    plain = last_json(run_cli(*base).stdout)
+    res = run_cli(*base, "--drafter", drafter)
+    assert res.returncode == 0, res.stderr
+    default = last_json(res.stdout)
+    assert default["token_ids"] == plain["token_ids"]
+    assert default["spec"] == {"adaptive": [asdict(c) for c in DEFAULT_CANDIDATES]}
+    assert 1 + default["spec_rounds"] + default["plain_rounds"] <= len(default["token_ids"])
+    assert "speculative and" in res.stderr and "plain rounds" in res.stderr
+    fixed = last_json(run_cli(*base, "--drafter", drafter, "--spec-steps", "3").stdout)
+    assert fixed["spec"] == {"steps": 3, "topk": 4, "draft_tokens": 16}
+    assert fixed["plain_rounds"] == 0 and fixed["spec_rounds"] > 0
+    assert fixed["token_ids"] == plain["token_ids"]
+    one = last_json(run_cli(*base, "--drafter", drafter, "--spec-steps", "3", "--spec-policy", "adaptive").stdout)
+    assert one["spec"] == {"adaptive": [{"steps": 3, "topk": 4, "draft_tokens": 16}]}
+    bad = run_cli(*base, "--spec-policy", "fixed")
+    assert bad.returncode != 0 and "need --drafter" in bad.stderr

@@ -18,6 +18,7 @@ SPECS = {
     "chain4": SpecConfig.chain(4),
     "tree": SpecConfig(steps=3, topk=3, draft_tokens=8),
     "wide": SpecConfig(steps=2, topk=4, draft_tokens=21),
+    "default": None,  # SpecEngine's default: adaptive over DEFAULT_CANDIDATES and plain rounds
 }
 
 
@@ -42,7 +43,10 @@ def test_greedy_speculation_is_lossless(target, spec_name, lengths):
     spec = SpecEngine(target, drafter, SPECS[spec_name]).generate(prompts, rules)
     assert spec.token_ids == plain.token_ids
     assert spec.finish_reasons == plain.finish_reasons
-    assert spec.stats["rounds"] > 0
+    assert spec.stats["rounds"] == spec.stats["spec_rounds"] > 0
+    for r, tokens in zip(spec.stats["per_request"], spec.token_ids, strict=True):
+        rounds = 1 + r["spec_rounds"] + r["plain_rounds"]  # (each round keeps a token; the last may be cut)
+        assert rounds <= len(tokens) <= rounds + r["accepted_tokens"]
 
 
 class FakeDrafter(torch.nn.Module):
@@ -143,3 +147,33 @@ def test_sampling_matches_target_distribution(tmp_path_factory, spec, top_p):
     assert rest_o <= rest_e + 5 * math.sqrt(rest_e + 1) + 5
     assert stat < _chi2_critical(int(keep.sum()) - 1), (stat, int(keep.sum()))
     assert out.stats["accept_length"] > 1.3  # acceptance paths were exercised, not just bonuses
+
+
+class WrongDrafter(FakeDrafter):
+    """Proposes a token the target never picks (its least likely after the input token): every
+    draft is rejected, so speculation only costs."""
+
+    def __init__(self, target) -> None:
+        super().__init__(target)
+        with torch.no_grad():
+            self.table = -target(torch.arange(self.vocab)[:, None])[:, -1]
+
+    def forward(self, input_ids, hidden, positions, cache=None, cache_index=None, attn_mask=None):
+        return self.table[input_ids], hidden
+
+
+def test_default_engine_falls_back_to_plain_rounds_where_speculation_loses(target):
+    """With a drafter whose drafts are all rejected a speculative round yields one token for the
+    cost of drafting and verifying a tree: the default (adaptive) engine measures that and decodes
+    the rest plainly, its output still the target's own; a fixed engine never does."""
+    prompts = prompts_of([7, 5])
+    rules = StopRules(max_new_tokens=80)
+    plain = generate_plain(target, prompts, rules)
+    engine = SpecEngine(target, WrongDrafter(target))
+    out = engine.generate(prompts, rules)
+    assert out.token_ids == plain.token_ids
+    assert out.stats["accepted_tokens"] == 0
+    assert out.stats["plain_rounds"] > 3 * out.stats["spec_rounds"], out.stats
+    fixed = SpecEngine(target, WrongDrafter(target), SpecConfig()).generate(prompts, rules)
+    assert fixed.token_ids == plain.token_ids
+    assert fixed.stats["plain_rounds"] == 0 and fixed.stats["spec_rounds"] > 0

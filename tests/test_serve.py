@@ -562,6 +562,12 @@ def test_adaptive_server_counts_only_speculative_rounds(adaptive):
     plain_tokens = sum(r.usage.completion_tokens - 1 - s["rounds"] - s["accepted_tokens"] for r, s in zip(rs, specs,
                                                                                                        strict=True))
     assert plain_tokens > 0
+    # the plain rounds are reported per request and counted in the metrics; every round keeps at
+    # least one token (the last may be cut at max_tokens)
+    assert delta("draftsman:spec_decode_num_plain_rounds_total") == sum(s["plain_rounds"] for s in specs) > 0
+    for r, s in zip(rs, specs, strict=True):
+        rounds = 1 + s["rounds"] + s["plain_rounds"]
+        assert rounds <= r.usage.completion_tokens <= rounds + s["accepted_tokens"]
 
 
 # ---- the command line: a subprocess server, SIGTERM -----------------------------------------------
