@@ -51,6 +51,50 @@ def test_policy_turns_speculation_off_where_it_loses():
     assert feed(policy, 1, {PLAIN: 1.0, CHAIN: 1.2, TREE: 1.6}, taus, 20)[3:] == [TREE] * 17
 
 
+def test_tau_is_kept_per_temperature_and_a_batch_expects_its_rows_mean():
+    """Greedy rows accept a drafter's guesses far more often than rows sampled at T=1. τ kept per
+    sampling class lets the policy speculate for greedy rows and decode plainly for sampled ones
+    without re-learning at every change of the traffic; a class it has not seen is measured."""
+    policy = AdaptivePolicy([TREE], explore_every=1000)
+    costs, tau = {PLAIN: 1.0, TREE: 2.0}, {0.0: 5.0, 1.0: 1.2}  # tree tokens/s: 2.5 greedy, 0.6 at T=1
+
+    def run(classes, rounds):
+        policy.set_mix(classes)
+        chosen = []
+        for _ in range(rounds):
+            arm = policy.choose(len(classes))
+            chosen.append(arm)
+            accepted = [0 if arm is PLAIN else tau[c] - 1 for c in classes]
+            policy.observe(arm, len(classes), costs[arm], accepted, classes)
+        return chosen
+
+    assert run([0.0], 12)[2:] == [TREE] * 10
+    at_t1 = run([1.0], 12)
+    assert at_t1[0] is TREE and at_t1[1:] == [PLAIN] * 11  # one round learns T=1's τ, then plain
+    assert run([0.0], 5) == [TREE] * 5  # greedy again: no re-learning
+    assert policy.taus[TREE, 0.0] == pytest.approx(5.0) and policy.taus[TREE, 1.0] == pytest.approx(1.2)
+    policy.set_mix([0.0, 1.0])  # one row of each: τ 3.1, 1.55 tokens/s against plain's 1
+    assert policy.tau(TREE) == pytest.approx(3.1)
+    assert run([0.0, 1.0], 4)[-1] is TREE
+
+
+def test_a_session_keeps_tau_per_row_temperature(pair):
+    """A SpecSession hands the policy each row's sampling class: rows at T=0 and T=1 decoding
+    together feed two τ of the same arm."""
+    from draftsman.session import Request
+
+    target, drafter = pair
+    policy = AdaptivePolicy([CHAIN], explore_every=1000)
+    session = SpecSession(target, drafter, None, 120, seed=0, policy=policy)
+    rules = StopRules(max_new_tokens=30)
+    session.add([Request(i, p, rules, SamplingParams(temperature=t, seed=0))
+                 for i, (p, t) in enumerate(zip(prompts(), (0.0, 1.0), strict=True))])
+    while session.num_running:
+        session.step()
+    assert {key[1] for key in policy.taus} == {0.0, 1.0}
+    assert policy.tau_rows[CHAIN, 0.0] > 3 and policy.tau_rows[CHAIN, 1.0] > 3
+
+
 def test_noisy_acceptance_at_batch_1_does_not_drop_the_best_arm():
     """At batch 1 a round's acceptance is one draw in 0..steps. With the chain's mean τ 3.2 and a
     round costing 1.65 plain steps, speculation wins unless τ falls under 1.65; the running τ
@@ -65,7 +109,7 @@ def test_noisy_acceptance_at_batch_1_does_not_drop_the_best_arm():
         chosen.append(arm)
         policy.observe(arm, 1, 1.0 if arm is PLAIN else 1.65, [] if arm is PLAIN else [accepted])
     assert chosen.count(CHAIN) >= 0.98 * len(chosen)
-    assert 2.6 < policy.taus[CHAIN] < 3.8
+    assert 2.6 < policy.taus[CHAIN, None] < 3.8
 
 
 def test_a_lucky_first_round_does_not_keep_a_losing_arm():
@@ -82,7 +126,7 @@ def test_a_lucky_first_round_does_not_keep_a_losing_arm():
         policy.observe(arm, 1, 1.0 if arm is PLAIN else 3.0, accepted)
     assert chosen.count(CHAIN) <= 4 and chosen[-10:] == [PLAIN] * 10
     k = chosen.count(CHAIN)
-    assert policy.tau_rows[CHAIN] == k and policy.taus[CHAIN] == pytest.approx((5 + 2 * (k - 1)) / k)
+    assert policy.tau_rows[CHAIN, None] == k and policy.taus[CHAIN, None] == pytest.approx((5 + 2 * (k - 1)) / k)
 
 
 def feed_ready(policy, batch, costs, taus, rounds, ready):
@@ -189,8 +233,8 @@ def test_a_dropped_arm_s_tau_goes_back_to_its_mean_once_stale():
     assert 100 < drop < 130 and policy.tau(CHAIN) > 3.5
     back = chosen.index(CHAIN, drop)
     assert back - drop <= 52 and chosen[-100:] == [CHAIN] * 100  # taken up again once stale, and kept
-    assert policy.tau_sums[CHAIN] / policy.tau_rows[CHAIN] == pytest.approx(
-        (4 * (policy.tau_rows[CHAIN] - 30) + 30) / policy.tau_rows[CHAIN], rel=0.05)
+    assert policy.tau_sums[CHAIN, None] / policy.tau_rows[CHAIN, None] == pytest.approx(
+        (4 * (policy.tau_rows[CHAIN, None] - 30) + 30) / policy.tau_rows[CHAIN, None], rel=0.05)
 
 
 def test_one_slow_round_does_not_flip_the_choice():
@@ -220,7 +264,7 @@ def test_untimed_rounds_count_acceptance_not_cost():
     policy = AdaptivePolicy([CHAIN], explore_every=1000, window=1, tau_alpha=1.0)
     feed(policy, 1, {PLAIN: 1.0, CHAIN: 1.0}, {PLAIN: 1, CHAIN: 3}, 4)
     policy.observe(CHAIN, 1, None, [4])  # a capture round: acceptance counts, its 'cost' does not
-    assert policy.estimate(CHAIN, 1).seconds == 1.0 and policy.taus[CHAIN] == 5.0
+    assert policy.estimate(CHAIN, 1).seconds == 1.0 and policy.taus[CHAIN, None] == 5.0
     assert policy.choose(1) == CHAIN
 
 
@@ -231,7 +275,7 @@ def test_acceptance_carries_across_batch_buckets():
     feed(policy, 1, {PLAIN: 1.0, CHAIN: 1.2}, {PLAIN: 1, CHAIN: 3}, 3)
     assert policy.choose(1) == CHAIN and policy.rate(CHAIN, 16) is None  # not timed at 16 yet
     policy.observe(CHAIN, 16, 5.0, [0] * 16)  # the text turned hard: nothing accepted
-    assert policy.taus[CHAIN] == 1.0 and policy.estimate(CHAIN, 1).seconds == 1.2
+    assert policy.taus[CHAIN, None] == 1.0 and policy.estimate(CHAIN, 1).seconds == 1.2
     assert policy.choose(1) == PLAIN
 
 
@@ -291,7 +335,7 @@ def test_one_large_round_does_not_swing_tau():
     for _ in range(20):
         policy.observe(CHAIN, 64, 1.0, [3] * 64)  # τ 4 from 1280 rows
     policy.observe(CHAIN, 64, 1.0, [0] * 64)  # a bad round: without the cap, 96% of the new τ
-    assert policy.taus[CHAIN] == pytest.approx(4 - 0.2 * 3)
+    assert policy.taus[CHAIN, None] == pytest.approx(4 - 0.2 * 3)
 
 
 class Scripted(AdaptivePolicy):
@@ -307,7 +351,7 @@ class Scripted(AdaptivePolicy):
         self.round += 1
         return self.schedule[min(self.round, len(self.schedule)) - 1]
 
-    def observe(self, arm, batch, seconds, accepted):
+    def observe(self, arm, batch, seconds, accepted, classes=None):
         self.log.append((arm, list(accepted)))
 
 
@@ -449,7 +493,7 @@ def test_the_drafter_catch_up_is_not_timed_as_the_arm_s_round(pair, monkeypatch)
     policy = Scripted([None] * 3 + [CHAIN] * 2)
     session = SpecSession(target, drafter, None, 120, policy=policy)
     seconds = []
-    policy.observe = lambda arm, batch, s, accepted: seconds.append((arm, s))
+    policy.observe = lambda arm, batch, s, accepted, classes=None: seconds.append((arm, s))
     catch_up = session._catch_up
 
     def slow_catch_up():
@@ -750,8 +794,9 @@ def test_a_batch_draining_plainly_is_not_asked_again_until_its_rows_change(pair)
             calls.append((arm, self.settled, drain is not None))
             return arm
 
-        def observe(self, arm, batch, seconds, accepted):  # speculation made to lose clearly
-            super().observe(arm, batch, None if seconds is None else seconds * (1 if arm is None else 10), accepted)
+        def observe(self, arm, batch, seconds, accepted, classes=None):  # speculation made to lose clearly
+            super().observe(arm, batch, None if seconds is None else seconds * (1 if arm is None else 10), accepted,
+                            classes)
 
     rules = StopRules(max_new_tokens=40)
     greedy = SamplingParams(temperature=0.0)

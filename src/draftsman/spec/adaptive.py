@@ -27,6 +27,13 @@ capture. An arm's running τ follows the text now decoding; once the arm has not
 `tau_stale_after` rounds its mean over all its rows stands in (a running τ frozen at the low it
 was dropped with kept the best arm off for good).
 
+τ depends on how rows sample, too: a drafter's guesses match a greedy row's next token far more
+often than a token drawn at T=1. So τ is kept per arm and sampling class (the row's temperature
+to one decimal, `sampling_class`), the session tells the policy its rows' classes each round
+(`set_mix`), and an arm's expected τ is the mean of its rows' classes' τ. A class an arm has not
+run at is measured (one round) rather than guessed from another's, and traffic that changes
+temperature back and forth finds each class's τ where it left it.
+
 Rounds are not the whole cost of an arm. Newcomers join the batch between rounds (a prefill),
 and speculation staggers when rows finish, so a continuous batch refills more often in smaller
 groups (measured on the H200 with the reference pair at batch 16: 38 joins against plain's 19,
@@ -55,7 +62,7 @@ a batch drains, so their time is left out of the rates compared then.
 from __future__ import annotations
 
 import statistics
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -143,10 +150,13 @@ class AdaptivePolicy:
     explore_every: int = 64  # rounds between re-measurements of the stalest arm, at first
     max_explore_every: int = 1024  # ... doubling up to this while they change nothing
     estimates: dict[tuple[int, Hashable], Estimate] = field(default_factory=dict)
-    taus: dict[Hashable, float] = field(default_factory=dict)  # tokens per row per round, per arm
-    tau_rows: dict[Hashable, int] = field(default_factory=dict)  # rows behind each arm's τ
-    tau_sums: dict[Hashable, float] = field(default_factory=dict)  # their tokens (1 + accepted), summed
-    tau_seen: dict[Hashable, int] = field(default_factory=dict)  # policy round of each arm's last τ update
+    # τ is kept per (arm, sampling class): rows decoding at T=1 accept less than greedy ones, so
+    # each class has its own, and a batch expects the mean of its rows' (set_mix).
+    taus: dict[tuple, float] = field(default_factory=dict)  # tokens per row per round, per (arm, class)
+    tau_rows: dict[tuple, int] = field(default_factory=dict)  # rows behind each τ
+    tau_sums: dict[tuple, float] = field(default_factory=dict)  # their tokens (1 + accepted), summed
+    tau_seen: dict[tuple, int] = field(default_factory=dict)  # policy round of each τ's last update
+    mix: dict[Hashable, int] = field(default_factory=lambda: {None: 1})  # running rows per class (set_mix)
     current: dict[int, SpecConfig | None] = field(default_factory=dict)  # chosen arm per bucket
     round: int = 0
     # Whether the last choice was plain decoding for a draining batch: it then holds until a row
@@ -182,21 +192,32 @@ class AdaptivePolicy:
         e, tau = self.estimate(arm, batch), self.tau(arm)
         return None if e.seconds is None or tau is None else tau / (e.seconds + e.join_seconds)
 
+    def set_mix(self, classes: Sequence[Hashable]) -> None:
+        """The running rows' sampling classes (sampling_class: their temperatures), one per row;
+        an arm's expected τ is then the mean over the rows of their class's τ."""
+        self.mix = dict(Counter(classes)) or {None: 1}
+
     def tau(self, arm: SpecConfig | None) -> float | None:
-        """Tokens per row per round the arm is expected to yield now (tau_stale_after)."""
+        """Tokens per row per round the arm is expected to yield now for the running rows (their
+        classes' τ, tau_stale_after), or None while one of their classes has no τ for it yet (a
+        temperature the arm has not run at is measured, not guessed from another's)."""
         if arm is PLAIN:
             return 1.0
-        if arm not in self.taus:
-            return None
-        return self._mean_tau(arm) if self._stale(arm) else self.taus[arm]
+        total = 0.0
+        for cls, rows in self.mix.items():
+            key = (arm, cls)
+            if key not in self.taus:
+                return None
+            total += rows * (self._mean_tau(key) if self._stale(key) else self.taus[key])
+        return total / sum(self.mix.values())
 
-    def _stale(self, arm: SpecConfig) -> bool:
-        """Whether the arm's running τ is older than tau_stale_after rounds."""
-        return self.round - self.tau_seen[arm] > self.tau_stale_after
+    def _stale(self, key: tuple) -> bool:
+        """Whether an (arm, class) running τ is older than tau_stale_after rounds."""
+        return self.round - self.tau_seen[key] > self.tau_stale_after
 
-    def _mean_tau(self, arm: SpecConfig) -> float:
-        """The arm's τ over every row it has run."""
-        return self.tau_sums[arm] / self.tau_rows[arm]
+    def _mean_tau(self, key: tuple) -> float:
+        """An (arm, class) τ over every row it has run."""
+        return self.tau_sums[key] / self.tau_rows[key]
 
     def _borrowed(self, arm: SpecConfig | None, batch: int, joins: bool = True) -> float | None:
         """The rate of an arm not timed in this bucket, from the nearest bucket where it was (the
@@ -361,10 +382,11 @@ class AdaptivePolicy:
         old = self.capture_seconds
         self.capture_seconds = seconds if old is None else old + self.capture_alpha * (seconds - old)
 
-    def observe(self, arm: SpecConfig | None, batch: int, seconds: float | None, accepted: Sequence[int]) -> None:
+    def observe(self, arm: SpecConfig | None, batch: int, seconds: float | None, accepted: Sequence[int],
+                classes: Sequence[Hashable] | None = None) -> None:
         """One round of `arm` over `batch` rows took `seconds` (None: not representative, e.g. it
         captured a CUDA graph) and accepted `accepted[i]` drafts in row i (all 0 for plain
-        rounds)."""
+        rounds); classes[i]: row i's sampling class (None: one class for every row)."""
         if self._last is not None:  # joins since the last round: its arm's
             last = self.estimates[self._last]
             last.join_seconds += self.join_alpha * (self._joined - last.join_seconds)
@@ -374,20 +396,28 @@ class AdaptivePolicy:
         e.untimed += seconds is None
         e.last_seen = self.round
         if arm is not PLAIN and accepted:
-            if arm in self.taus and self._stale(arm):
-                self.taus[arm] = self._mean_tau(arm)  # a stale τ restarts from the mean
-            tau, old, rows = 1.0 + sum(accepted) / len(accepted), self.taus.get(arm), self.tau_rows.get(arm, 0)
-            self.tau_sums[arm] = self.tau_sums.get(arm, 0.0) + len(accepted) + sum(accepted)
-            self.tau_seen[arm] = self.round
-            w = max(len(accepted) / (rows + len(accepted)),
-                    min(1.0 - (1.0 - self.tau_alpha) ** len(accepted), max(self.tau_round_cap, self.tau_alpha)))
-            self.taus[arm] = tau if old is None else (1 - w) * old + w * tau
-            self.tau_rows[arm] = rows + len(accepted)
+            groups: dict[Hashable, list[int]] = {}
+            for a, cls in zip(accepted, classes or [None] * len(accepted), strict=True):
+                groups.setdefault(cls, []).append(a)
+            for cls, acc in groups.items():
+                self._observe_tau((arm, cls), acc)
         if seconds is not None:
             self._bucket_seconds += seconds
             e.total += seconds
             e.recent.append(seconds)  # (the window's oldest drops out)
             e.seconds = statistics.median(e.recent)
+
+    def _observe_tau(self, key: tuple, accepted: Sequence[int]) -> None:
+        """A round's accepted drafts of the rows of one class, into that (arm, class) τ."""
+        if key in self.taus and self._stale(key):
+            self.taus[key] = self._mean_tau(key)  # a stale τ restarts from the mean
+        tau, old, rows = 1.0 + sum(accepted) / len(accepted), self.taus.get(key), self.tau_rows.get(key, 0)
+        self.tau_sums[key] = self.tau_sums.get(key, 0.0) + len(accepted) + sum(accepted)
+        self.tau_seen[key] = self.round
+        w = max(len(accepted) / (rows + len(accepted)),
+                min(1.0 - (1.0 - self.tau_alpha) ** len(accepted), max(self.tau_round_cap, self.tau_alpha)))
+        self.taus[key] = tau if old is None else (1 - w) * old + w * tau
+        self.tau_rows[key] = rows + len(accepted)
 
     def observe_join(self, seconds: float) -> None:
         """Newcomers joined the running batch (a prefill) in `seconds`: charged to the arm of the
@@ -404,6 +434,11 @@ class AdaptivePolicy:
                         "untimed_rounds": e.untimed, "timed_s": e.total,
                         "chosen": self.current.get(b, "?") == arm})
         return out
+
+
+def sampling_class(temperature: float) -> float:
+    """The class a row's τ is kept under: its temperature to one decimal (0.0: greedy)."""
+    return round(float(temperature), 1)
 
 
 def arm_label(arm: SpecConfig | None) -> str:

@@ -105,6 +105,7 @@ class SpecSession(DecodeSession):
         self._front: tuple[int, int, list] = (-1, -1, [])  # (roster, policy round, drain_front) when made
         self.catch_ups, self.catch_up_seconds = 0, 0.0  # the drafter's catch-ups (reports)
         self._plain_drain: tuple[int, int] | None = None  # (roster, batch bucket) draining plainly
+        self._mix: tuple[int, list] = (-1, [])  # (roster, the rows' sampling classes) when made
 
     # ---- prefill ------------------------------------------------------------------------
     def _prefill(self, ids, lengths, sampling):
@@ -206,6 +207,7 @@ class SpecSession(DecodeSession):
             self._observe_finished(rows)
             return events
         drain = self._drain()
+        classes = self._classes()
         arm = self.policy.choose(batch, ready=self._captured, drain=drain)
         self._plain_drain = (self.roster, pow2_ceil(batch)) if self.policy.settled else None
         shape = (arm, pow2_ceil(batch))  # compiled forwards specialize on the padded batch
@@ -234,9 +236,22 @@ class SpecSession(DecodeSession):
         untimed = compiling or captured  # one-off costs, not the arm's
         if captured and not compiling:
             self.policy.observe_capture(seconds)
-        self.policy.observe(arm, batch, None if untimed else seconds, accepted)
+        self.policy.observe(arm, batch, None if untimed else seconds, accepted, classes)
         self._observe_finished(rows)
         return events
+
+    def _classes(self) -> list:
+        """The running rows' sampling classes (spec/adaptive.sampling_class), made when the rows
+        change, and handed to the policy as its mix every round (a server's sessions share one
+        policy)."""
+        made, classes = self._mix
+        if made != self.roster:
+            from draftsman.spec.adaptive import sampling_class
+
+            classes = [sampling_class(r.params.temperature) for r in self.rows]
+            self._mix = (self.roster, classes)
+        self.policy.set_mix(classes)
+        return classes
 
     def _observe_finished(self, rows: list[Request]) -> None:
         """The policy's history of finished rows' acceptance (AdaptivePolicy.observe_finished)."""
