@@ -68,12 +68,13 @@ def pay_check(pay: dict) -> Check:
     ev = {"loses_from_batch_size": pay["loses_from_batch_size"], "pays_up_to_batch_size": pay["pays_up_to_batch_size"]}
     if pay["loses_from_batch_size"] is None:
         return Check("will it pay", PASS, f"predicted speed-up {parts} ({src}); pays at every measured batch size", ev)
+    fixed = ("draftsman's default (adaptive) policy decodes plainly where speculation loses; a fixed setting "
+             "(--spec-* flags, --spec-policy fixed) or an engine without one (SGLang, vLLM) runs at the speed-ups above")
     if pay["pays_up_to_batch_size"] is None:
         return Check("will it pay", WARN, f"predicted speed-up {parts} ({src}): speculation loses at every measured "
-                     "batch size", ev)
+                     f"batch size; {fixed}", ev)
     return Check("will it pay", WARN, f"predicted speed-up {parts} ({src}): speculation loses beyond batch size "
-                 f"{pay['pays_up_to_batch_size']} (from {pay['loses_from_batch_size']}); `serve --spec-adaptive` "
-                 "decodes plainly where it loses", ev)
+                 f"{pay['pays_up_to_batch_size']} (from {pay['loses_from_batch_size']}); {fixed}", ev)
 
 
 # ---- verdict ------------------------------------------------------------------------------------
