@@ -46,6 +46,7 @@ from pathlib import Path
 from jinja2 import TemplateError
 
 from draftsman.cli import add_device_args, resolve_device, resolve_dtype
+from draftsman.commands.generate import add_spec_policy_arg
 from draftsman.train.data import Message, read_records
 
 HELP = "have the target write the answers of a prompt corpus (drafter training data)"
@@ -69,6 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-steps", type=int, default=None, help="draft depth (with --drafter)")
     p.add_argument("--spec-topk", type=int, default=None, help="branching per draft step (with --drafter)")
     p.add_argument("--spec-draft-tokens", type=int, default=None, help="verified tree nodes incl. the root")
+    add_spec_policy_arg(p)
     p.add_argument("--server-url", help="OpenAI-compatible server, e.g. http://localhost:30000")
     p.add_argument("--model", help="server mode: model name (default: the first of GET /v1/models)")
     p.add_argument("--concurrency", type=int, default=16, help="server mode: requests in flight (default 16)")
@@ -217,7 +219,7 @@ class LocalBackend:
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
 
-        from draftsman.commands.generate import make_decoder, spec_config_from_args
+        from draftsman.commands.generate import make_decoder, spec_policy_from_args
         from draftsman.generate import StopRules, generate_plain
         from draftsman.models import load_target
         from draftsman.sampling import SamplingParams
@@ -238,8 +240,9 @@ class LocalBackend:
         self.plain = lambda prompts, rules, params: generate_plain(self.model, prompts, rules, params)
         # Speculation caches hold a draft tree beyond the committed tokens: rows that close to the
         # window decode plainly (same output, losslessness) instead of overflowing the cache.
-        spec = spec_config_from_args(args) if args.drafter else None
-        self.margin = spec.draft_tokens + spec.steps * spec.topk + 2 if spec else 0
+        spec, candidates = spec_policy_from_args(args) if args.drafter else (None, ())
+        shapes = [spec] if spec else list(candidates)
+        self.margin = max((s.draft_tokens + s.steps * s.topk + 2 for s in shapes), default=0)
 
     def prompt_ids(self, messages: list[Message]) -> list[int]:
         return encode_chat(self.tokenizer, messages)
