@@ -10,11 +10,18 @@ ceiling on p_1 (the acceptance rate at the first draft position) for a top-k tre
 for a chain. A measured p_1 near it means the target's entropy, not the drafter or the
 verification, limits acceptance at that temperature.
 
-    python benchmarks/acceptance_ceiling.py --temperatures 0.7,1 --out benchmarks/results/acceptance_ceiling_reference.json
-    python benchmarks/acceptance_ceiling.py --target SMOLLM2_DIR --out benchmarks/results/acceptance_ceiling_smollm2.json
+With --drafter it also decodes the same prompts speculatively (a chain of 5 and the default
+tree 5/4/16, fixed, the prompts of a set in one batch) and records τ and p_1 ... p_5 beside the
+ceiling; temperature 0 is then useful too (its ceiling is 1).
 
-Prints one JSON line: {"target", "topk", "runs": [{"dataset", "temperature", "positions",
-"top1_mass", "topk_mass", "entropy_nats"}]}.
+    python benchmarks/acceptance_ceiling.py --temperatures 0,0.7,1 --drafter REF \
+        --out benchmarks/results/acceptance_ceiling_reference.json        (REF: the embedded drafter)
+    python benchmarks/acceptance_ceiling.py --target SMOLLM2_DIR --drafter DRAFTER_DIR --temperatures 0,0.7,1 \
+        --out benchmarks/results/acceptance_ceiling_smollm2.json
+
+Prints one JSON line: {"target", "drafter", "topk", "runs": [{"dataset", "temperature",
+"positions", "top1_mass", "topk_mass", "entropy_nats", "arms": {arm: {"accept_length",
+"accept_rate_per_position"}}}]}.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ def ceiling(target, prompts: list[list[int]], temperature: float, top_p: float, 
 
     params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
     out = generate_plain(target, prompts, StopRules(max_new, eos), params)
+    if temperature == 0:  # one-hot: the top token is the only one, its mass 1
+        return {"positions": out.num_new_tokens, "top1_mass": 1.0, "topk_mass": 1.0, "entropy_nats": 0.0}
     top1 = topk_mass = entropy = 0.0
     n = 0
     for prompt, answer in zip(prompts, out.token_ids, strict=True):
@@ -50,9 +59,27 @@ def ceiling(target, prompts: list[list[int]], temperature: float, top_p: float, 
     return {"positions": n, "top1_mass": top1 / n, "topk_mass": topk_mass / n, "entropy_nats": entropy / n}
 
 
+def drafter_acceptance(target, drafter, prompts: list[list[int]], temperature: float, top_p: float, max_new: int,
+                       eos: frozenset[int], seed: int) -> dict:
+    """τ and p_1 ... p_5 of a chain of 5 and the default tree over the prompts, decoded together."""
+    from draftsman.generate import StopRules
+    from draftsman.sampling import SamplingParams
+    from draftsman.spec.engine import SpecConfig, SpecEngine
+
+    params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
+    arms = {}
+    for name, spec in (("spec-s5-k1-n6", SpecConfig.chain(5)), ("spec-s5-k4-n16", SpecConfig())):
+        stats = SpecEngine(target, drafter, spec).generate(prompts, StopRules(max_new, eos), params).stats
+        arms[name] = {"accept_length": stats["accept_length"],
+                      "accept_rate_per_position": stats["accept_rate_per_position"]}
+    return arms
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", help="default: the embedded reference target")
+    ap.add_argument("--drafter", help="also measure this drafter's acceptance on the same prompts ('reference': "
+                    "the embedded one)")
     ap.add_argument("--datasets", default="mt-bench,humaneval,gsm8k")
     ap.add_argument("--temperatures", default="0.7,1")
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -75,15 +102,25 @@ def main() -> None:
     target = load_target(path, device="cpu", dtype=torch.float32)
     tok = load_tokenizer(path)
     eos = frozenset(eos_token_ids(path, target.config.eos_token_ids, tok))
+    drafter = None
+    if args.drafter:
+        from draftsman.models.eagle3 import load_drafter
+
+        dpath = str(reference_pair()[1]) if args.drafter == "reference" else args.drafter
+        drafter = load_drafter(dpath, target=target, device="cpu", dtype=torch.float32, inference=True)
     runs = []
     for name in args.datasets.split(","):
         prompts = [encode_prompt(tok, t, chat=True) for t in load_prompt_set(name, args.num_prompts)]
         for t in (float(x) for x in args.temperatures.split(",")):
             row = {"dataset": name, "temperature": t,
                    **ceiling(target, prompts, t, args.top_p, args.topk, args.max_new_tokens, eos, args.seed)}
+            if drafter is not None:
+                row["arms"] = drafter_acceptance(target, drafter, prompts, t, args.top_p, args.max_new_tokens, eos,
+                                                 args.seed)
             runs.append(row)
             print(json.dumps(row), file=sys.stderr)
-            result = {"target": "reference" if args.target is None else args.target, "topk": args.topk,
+            result = {"target": "reference" if args.target is None else args.target, "drafter": args.drafter,
+                      "topk": args.topk,
                       "top_p": args.top_p, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
                       "runs": runs}
             write_results(args.out, result)
