@@ -215,6 +215,38 @@ def test_vllm_reads_every_key_as_meant(exported, drafter):
     assert cfg["max_position_embeddings"] == 512
 
 
+def vllm_capture_ids(cfg: dict) -> tuple[int, ...] | None:
+    """vLLM 0.32 GPUModelRunner._get_eagle3_aux_layers_from_config (the V1 runner, also the CPU
+    build's): the top-level ids, else eagle_config's ids AS GIVEN (no +1, unlike SGLang)."""
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if not ids and isinstance(cfg.get("eagle_config"), dict):
+        ids = cfg["eagle_config"].get("eagle_aux_hidden_state_layer_ids")
+    return tuple(ids) if ids else None
+
+
+def vllm_fc_in_features(cfg: dict) -> int:
+    """vLLM 0.32 llama_eagle3.LlamaModel: fc input = target_hidden_size x num_aux_hidden_states,
+    the count taken from num_aux_hidden_states, else len(eagle_config ids), else 3."""
+    n = cfg.get("num_aux_hidden_states")
+    if n is None:
+        ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        n = len(ids) if ids else 3
+    return cfg.get("target_hidden_size", cfg["hidden_size"]) * n
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm"])
+def test_vllm_capture_ids_and_fc_width_of_flat_exports(fmt, exported, drafter):
+    """Checked against vLLM 0.32 (CPU build) serving the SmolLM2 drafter: it logged 'Using
+    auxiliary layers from speculative config: (2, 15, 27)' and matched draftsman's acceptance."""
+    cfg = read_config(exported[fmt])
+    assert vllm_capture_ids(cfg) == AUX
+    assert vllm_fc_in_features(cfg) == drafter.fc.in_features
+    # the top-level key is load-bearing: without it vLLM captures eagle_config's output-of-layer
+    # ids as given, one layer early
+    bare = {k: v for k, v in cfg.items() if k != "eagle_aux_hidden_state_layer_ids"}
+    assert vllm_capture_ids(bare) == tuple(i - 1 for i in AUX)
+
+
 def vllm_from_speculators(config_dict: dict) -> tuple[dict, dict]:
     """vLLM SpeculatorsConfig.extract_transformers_pre_trained_config + update_eagle3, and
     build_vllm_speculative_config (transformers_utils/configs/speculators/)."""

@@ -10,8 +10,10 @@ tests hold the writers to that list, so a key without a reason cannot be added s
 Aux layer ids (DESIGN.md): draftsman's id i = residual stream entering target layer i.
   SGLang reads eagle_config.eagle_aux_hidden_state_layer_ids and captures layer id+1's input,
   so it gets i-1. vLLM reads the top-level eagle_aux_hidden_state_layer_ids as given, so it gets
-  i. Flat exports carry both spellings (each engine reads only its own), so one directory serves
-  both engines, plus a `draftsman` block that says which convention is which.
+  i. Flat exports carry both spellings, so one directory serves both engines, plus a `draftsman`
+  block that says which convention is which. vLLM (0.32) also reads the eagle_config list: its
+  length sizes fc (num_aux_hidden_states), and its model runner falls back to those ids AS GIVEN
+  when the top-level key is absent, i.e. one layer early: the top-level key is load-bearing.
 """
 
 from __future__ import annotations
@@ -78,7 +80,10 @@ _FLAT = {
                             "explicitly (SGLang has no such option: always false)",
     "eagle_config": "SGLang model_runner reads eagle_config['eagle_aux_hidden_state_layer_ids'] "
                     "(output-of-layer ids, +1 in set_eagle3_layers_to_capture) and "
-                    "use_aux_hidden_state; vLLM reads only use_aux_hidden_state",
+                    "use_aux_hidden_state; vLLM llama_eagle3.LlamaModel reads use_aux_hidden_state, "
+                    "norm_before_fc and the id list's LENGTH (num_aux_hidden_states: fc input = "
+                    "target_hidden_size x len), and GPUModelRunner._get_eagle3_aux_layers_from_config "
+                    "takes these ids as given only when the top-level key is absent",
     "eagle_aux_hidden_state_layer_ids": "vLLM get_eagle3_aux_layers_from_config: "
                                         "hf_config.eagle_aux_hidden_state_layer_ids, input-of-layer "
                                         "ids taken as given",
