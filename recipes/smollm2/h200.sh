@@ -4,6 +4,9 @@
 #   convert  the GGUF (sent ahead in parts into $W: recipes/smollm2/README.md) -> $W/target (fp32)
 #   data     prepare-data: the target answers the prompts greedily (<= 256 tokens), DATA_S seconds;
 #            resumable, so a second `data` stage continues where the first stopped
+#   sampled  prepare-data on a second prompt file (SAMPLED_PROMPTS, if given), answers sampled at
+#            temperature 1 (top-p 1, seed SEED), SAMPLED_S seconds, into data_sampled.jsonl; the
+#            split then pools both data files before it shuffles and holds out
 #   train    500 conversations held out; train (draft vocabulary 16384, TTT 7, eval every EVAL_EVERY
 #            steps: the tau curve) for TRAIN_S seconds; a rerun resumes from its last checkpoint
 #   collect  eval-drafter on 300 held-out conversations; the drafter in bf16, split into parts
@@ -16,7 +19,9 @@
 #   STAGES="convert data" bash recipes/smollm2/h200.sh      (on the GPU machine, repository root)
 #
 # Inputs in .carry/smol2: smollm2.gguf.part-ab, prompts.jsonl.gz (make_drafter_prompts.py of the
-# reference recipe), the gguf wheel. Work in $W (default /tmp/smol: kept while the machine is held).
+# reference recipe), the gguf wheel; PROMPTS / SAMPLED_PROMPTS name other prompt files (the
+# sampled-share run: alternate prompts, recipes/smollm2/README.md). Work in $W (default /tmp/smol:
+# kept while the machine is held).
 set -u
 W=${W:-/tmp/smol}
 OUT=${OUT:-$W/out}  # what comes back: logs.tgz, drafter.tar.part-*, pair_h200.json, e2e_h200.json (<= 8 files a call)
@@ -27,7 +32,7 @@ DS="python3 -m draftsman.cli"
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 run() {  # run NAME SECONDS CMD...: under a deadline (SIGTERM: the trainer checkpoints and stops)
   local name=$1 limit=$2; shift 2
-  if [[ " ${STAGES:-convert data train collect pair e2e} " != *" ${name%%_*} "* ]]; then return; fi
+  if [[ " ${STAGES:-convert data sampled train collect pair e2e} " != *" ${name%%_*} "* ]]; then return; fi
   local t=$(date +%s)
   if declare -F "$1" > /dev/null; then "$@" >> "$L/$name.log" 2>&1  # (short shell steps: no deadline)
   else timeout -k 60 "$limit" "$@" >> "$L/$name.log" 2>&1; fi
@@ -40,16 +45,22 @@ convert() {
   echo "$GGUF_SHA256  $W/smollm2.gguf" | sha256sum -c - || return 1
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry/smol2/gguf-*.whl
   $DS convert --gguf "$W/smollm2.gguf" --out "$W/target" --json
-  gunzip -c .carry/smol2/prompts.jsonl.gz > "$W/prompts.jsonl"
+  gunzip -c "${PROMPTS:-.carry/smol2/prompts.jsonl.gz}" > "$W/prompts.jsonl"
+  if [ -n "${SAMPLED_PROMPTS:-}" ]; then gunzip -c "$SAMPLED_PROMPTS" > "$W/prompts_sampled.jsonl"; fi
 }
 run convert 300 convert
 
 run data "${DATA_S:-300}" $DS prepare-data --target "$W/target" --input "$W/prompts.jsonl" \
   --output "$W/data.jsonl" --max-new-tokens 256 --batch-size "${DATA_BATCH:-2048}" ${DATA_ARGS:-}
+if [ -f "$W/prompts_sampled.jsonl" ]; then
+  run sampled "${SAMPLED_S:-300}" $DS prepare-data --target "$W/target" --input "$W/prompts_sampled.jsonl" \
+    --output "$W/data_sampled.jsonl" --max-new-tokens 256 --batch-size "${DATA_BATCH:-2048}" \
+    --temperature 1 --top-p 1 --seed "${SEED:-0}"
+fi
 
 split_data() {
   [ -f "$W/heldout.jsonl" ] && return 0
-  shuf --random-source=<(yes) "$W/data.jsonl" > "$W/shuf.jsonl"
+  cat "$W/data.jsonl" $(ls "$W/data_sampled.jsonl" 2>/dev/null) | shuf --random-source=<(yes) > "$W/shuf.jsonl"
   head -n -500 "$W/shuf.jsonl" > "$W/train.jsonl"
   tail -n 500 "$W/shuf.jsonl" > "$W/heldout.jsonl"
   wc -l "$W/train.jsonl" "$W/heldout.jsonl"
@@ -76,6 +87,7 @@ run pair "${PAIR_S:-300}" python3 benchmarks/reference_pair.py --device cuda --t
 run e2e "${E2E_S:-300}" python3 benchmarks/h200_e2e.py --target "$W/target" --drafter "$W/published" \
   --num-prompts "${PAIR_PROMPTS:-10}" --datasets "${PAIR_SETS:-mt-bench,humaneval,gsm8k}" --out "$OUT/e2e_h200.json"
 cp "$W"/drafter/*log.jsonl "$L/" 2>/dev/null
-[ -f "$W/data.jsonl" ] && wc -l "$W/data.jsonl" > "$L/data_lines.txt"
+[ -f "$W/data.jsonl" ] && wc -l "$W"/data*.jsonl "$W/train.jsonl" "$W/heldout.jsonl" > "$L/data_lines.txt" 2>/dev/null
+[ -f "$W/heldout.jsonl" ] && cp "$W/heldout.jsonl" "$L/"
 tar czf "$OUT/logs.tgz" -C "$W" logs
 cat "$L/steps.txt"
