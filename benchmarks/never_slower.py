@@ -2,6 +2,9 @@
 (plain decoding, the adaptive policy's three candidates as fixed settings, and `spec-adaptive`,
 what generate, demo and serve decode with by default) over prompt sets x temperatures x batch
 sizes, one bench run per (set, temperature), so every ratio compares arms of the same run.
+Every request generates exactly --max-new-tokens (bench --ignore-eos; --stop-at-eos to not):
+at T > 0 the arms sample different answers, and answers ending at different lengths would give
+the arms different work.
 
     python benchmarks/never_slower.py --device cpu --batch-sizes 1,4 \\
         --out benchmarks/results/never_slower_cpu_reference.json --plot benchmarks/results/never_slower_cpu_reference.png
@@ -38,7 +41,7 @@ def run_bench(args: argparse.Namespace, dataset: str, temperature: float) -> tup
            "--num-prompts", str(args.num_prompts), "--max-new-tokens", str(args.max_new_tokens),
            "--temperature", str(temperature), "--device", args.device, "--batch-sizes", args.batch_sizes,
            "--warmup", str(args.warmup), "--warmup-passes", str(args.warmup_passes), "--repeats", str(args.repeats),
-           "--json"]
+           *([] if args.stop_at_eos else ["--ignore-eos"]), "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -76,6 +79,7 @@ def summarize(rows: list[dict], args: argparse.Namespace, device: str) -> dict:
         "device": device, "pair": "reference" if args.target is None else {"target": args.target,
                                                                          "drafter": args.drafter},
         "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+        "ignore_eos": not args.stop_at_eos,
         "warmup": args.warmup,
         "min_adaptive_speedup": worst["adaptive_speedup"],
         "worst": {k: worst[k] for k in ("dataset", "temperature", "batch_size")},
@@ -128,6 +132,8 @@ def main() -> None:
                     "adaptive arm's policy keeps what it measured, as a running server would)")
     ap.add_argument("--warmup-passes", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=2, help="bench --repeats: timed runs per arm, interleaved")
+    ap.add_argument("--stop-at-eos", action="store_true", help="let requests stop at EOS (by default bench runs "
+                    "with --ignore-eos: at T > 0 the arms' answers differ, and so would their lengths and work)")
     ap.add_argument("--out", help="write the rows and every bench run's full JSON here")
     ap.add_argument("--plot", help="write the speed-up plot (PNG) here")
     args = ap.parse_args()

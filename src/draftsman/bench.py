@@ -504,11 +504,14 @@ def _requests(prompts: Sequence[Sequence[int]], workload: Workload, prefix: str 
 def warm_up(session: DecodeSession, workload: Workload, batch_size: int) -> int:
     """Run the warm-up requests through the session, again while a pass captured CUDA graphs (up
     to workload.warmup_passes): a fixed arm repeats itself exactly, but an adaptive arm's choices
-    (and so its shapes) differ from pass to pass. Returns the passes run."""
+    (and so its shapes) differ from pass to pass. A pass runs at least one full batch (warmup
+    requests, or batch_size when more): the shapes of a full batch and of its drain, which the
+    timed run meets, are captured here rather than timed. Returns the passes run."""
     modules, passes = (session.target, getattr(session, "drafter", None)), 0
+    prompts = workload.prompts[: max(workload.warmup, batch_size)]
     while workload.warmup and passes < workload.warmup_passes:
         before = captures(*modules)
-        drive_session(session, _requests(workload.prompts[: workload.warmup], workload, f"warmup{passes}-"), batch_size)
+        drive_session(session, _requests(prompts, workload, f"warmup{passes}-"), batch_size)
         passes += 1
         if captures(*modules) == before:
             break

@@ -24,8 +24,8 @@ times and acceptance it measures itself (it tries every choice first, keeping wh
 during the warm-up, as a running server would; once no request is left to join, it instead
 picks what finishes the slowest running row first; see draftsman/spec/adaptive.py). Client: `server` (the served configuration) and, with
 --baseline-url, `baseline` (a plain server) at each concurrency. --warmup N requests run
-untimed before every arm and batch size (in-process, again while they capture CUDA graphs, up to
---warmup-passes times).
+untimed before every arm and batch size (in-process: at least one full batch, and again while
+they capture CUDA graphs, up to --warmup-passes times).
 
 Metrics, per arm and batch size. Tokens are the generated tokens returned to the user (EOS
 included when emitted; client: the server's usage.completion_tokens), counted the same way
@@ -42,7 +42,7 @@ same run (CUDA only).
 
 Output: a table, and with --json one JSON object as the last stdout line. Top-level keys:
   mode                "in-process" | "client"
-  dataset, num_prompts, max_new_tokens, temperature, top_p, top_k, seed, chat, warmup, warmup_passes,
+  dataset, num_prompts, max_new_tokens, temperature, top_p, top_k, seed, chat, ignore_eos, warmup, warmup_passes,
   repeats
   batch_sizes         [int]  (client: concurrencies)
   target, drafter, device, dtype        in-process (null in client mode)
@@ -154,10 +154,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch.compile the decode/draft/verify forwards (in-process; each new step shape "
                         "compiles first: seconds on small models, minutes on 8B ones; warm up with --warmup)")
     p.add_argument("--no-chat", action="store_true", help="send raw prompts, no chat template")
-    p.add_argument("--warmup", type=int, default=1, help="untimed requests before each arm (default 1), in the session that then runs "
-                   "the timed requests, as a server keeps one session: on CUDA they capture the arm's "
-                   "graphs; warm up at least as many requests as the batch size to time the steady state "
-                   "(the JSON's graph_captures counts captures left in the timed run)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="in-process: every request generates exactly --max-new-tokens, EOS or not, so every arm "
+                        "does the same work; at T > 0 the arms' sampled answers differ and stop at different "
+                        "lengths, which moves throughput ratios by several percent over a few prompts")
+    p.add_argument("--warmup", type=int, default=1, help="untimed requests before each arm (default 1; in-process, "
+                   "at least one full batch: max(N, batch size)), in the session that then runs the timed "
+                   "requests, as a server keeps one session: on CUDA they capture the arm's graphs "
+                   "(the JSON's graph_captures counts captures left in the timed run); 0: none")
     p.add_argument("--warmup-passes", type=int, default=1,
                    help="in-process: run the warm-up requests up to this many times per arm (default 1), "
                         "stopping after a pass that captured no CUDA graph: an adaptive arm's choices differ "
@@ -192,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
     result = {
         "mode": "in-process" if args.target else "client", "dataset": args.dataset, "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-        "top_k": args.top_k, "seed": args.seed, "chat": not args.no_chat, "warmup": args.warmup,
+        "top_k": args.top_k, "seed": args.seed, "chat": not args.no_chat, "ignore_eos": args.ignore_eos,
+        "warmup": args.warmup,
         "warmup_passes": args.warmup_passes, "repeats": args.repeats,
         "batch_sizes": batch_sizes, "target": args.target, "drafter": args.drafter, "device": None,
         "dtype": None, "server_url": args.server_url, "baseline_url": args.baseline_url, "model": args.model,
@@ -225,6 +230,8 @@ def check_args(args: argparse.Namespace) -> None:
     else:
         if args.baseline_url:
             raise ValueError("--baseline-url needs --server-url (in-process mode measures plain decoding itself)")
+    if args.ignore_eos and args.server_url:
+        raise ValueError("--ignore-eos is in-process only (a server's requests stop where it decides)")
         if (any(f is not None for f in spec_flags) or args.spec_adaptive or args.spec_policy) and not args.drafter:
             raise ValueError("--spec-* flags need --drafter")
         if args.spec_adaptive and args.spec_policy == "fixed":
@@ -301,7 +308,8 @@ def run_in_process(args: argparse.Namespace, prompts: list[str], batch_sizes: li
             raise SystemExit(f"error: --drafter {args.drafter}: {e}") from None
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    rules = StopRules(args.max_new_tokens, frozenset(eos_token_ids(args.target, model.config.eos_token_ids, tokenizer)))
+    eos = frozenset() if args.ignore_eos else frozenset(eos_token_ids(args.target, model.config.eos_token_ids, tokenizer))
+    rules = StopRules(args.max_new_tokens, eos)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     workload = bench.Workload(ids, rules, params, tuple(batch_sizes), min(args.warmup, len(ids)), args.seed,
                               compile=args.compile, graph_prefill=not args.eager_prefill,
