@@ -230,12 +230,12 @@ def check_args(args: argparse.Namespace) -> None:
     else:
         if args.baseline_url:
             raise ValueError("--baseline-url needs --server-url (in-process mode measures plain decoding itself)")
-    if args.ignore_eos and args.server_url:
-        raise ValueError("--ignore-eos is in-process only (a server's requests stop where it decides)")
         if (any(f is not None for f in spec_flags) or args.spec_adaptive or args.spec_policy) and not args.drafter:
             raise ValueError("--spec-* flags need --drafter")
         if args.spec_adaptive and args.spec_policy == "fixed":
             raise ValueError("--spec-adaptive contradicts --spec-policy fixed")
+    if args.ignore_eos and args.server_url:
+        raise ValueError("--ignore-eos is in-process only (a server's requests stop where it decides)")
     if args.concurrency is not None and args.batch_sizes is not None:
         raise ValueError("give --batch-sizes or --concurrency, not both")
     if args.concurrency is not None and args.concurrency < 1:
