@@ -12,7 +12,8 @@ the arms different work.
 
 The goals it checks (issue 28): the adaptive arm's speed-up over plain decoding >= 0.97 in every
 configuration, and at T=0, batch 1 no more than 5% below the best fixed setting of the same run.
-Prints one JSON line: {"device", "pair", "min_adaptive_speedup", "worst", "t0_bs1_vs_best_fixed"
+A grid split over several runs (device calls have a time limit: one --datasets each) is
+combined with `--merge FILE ... --out ... --plot ...`. Prints one JSON line: {"device", "pair", "min_adaptive_speedup", "worst", "t0_bs1_vs_best_fixed"
 (the lowest over the sets), "goals": {...}, "runs": [one row per (set, T, batch size)]}; --out
 keeps the rows and every bench run's full JSON, --plot draws the adaptive arm's speed-up against
 temperature (a panel per set, a line per batch size, the best fixed setting dashed).
@@ -24,6 +25,7 @@ import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from h200_json import write_results  # benchmarks/ is on sys.path when run as a script
 
@@ -118,6 +120,30 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def merge(args: argparse.Namespace) -> None:
+    """--merge: the files' rows, commands and bench runs as one record; the settings of the first
+    file's summary (every file must share them)."""
+    parts = [json.loads(Path(path).read_text()) for path in args.merge]
+    first = parts[0]["summary"]
+    keys = ("device", "pair", "num_prompts", "max_new_tokens", "repeats", "ignore_eos", "warmup")
+    for path, part in zip(args.merge, parts, strict=True):
+        differ = [k for k in keys if part["summary"].get(k) != first.get(k)]
+        if differ:
+            sys.exit(f"--merge: {path} differs from {args.merge[0]} in {', '.join(differ)}")
+    rows = [r for part in parts for r in part["summary"]["runs"]]
+    ns = argparse.Namespace(num_prompts=first["num_prompts"], max_new_tokens=first["max_new_tokens"],
+                            repeats=first["repeats"], stop_at_eos=not first["ignore_eos"], warmup=first["warmup"],
+                            target=None if first["pair"] == "reference" else first["pair"]["target"],
+                            drafter=None if first["pair"] == "reference" else first["pair"]["drafter"])
+    summary = summarize(rows, ns, first["device"])
+    write_results(args.out, {"summary": summary, "commands": [c for part in parts for c in part["commands"]],
+                             "bench": [b for part in parts for b in part["bench"]], "merged_from": args.merge})
+    if args.plot:
+        plot(rows, args.plot, f"draftsman default (adaptive) vs plain, {first['device']}, "
+             f"{'reference pair' if ns.target is None else ns.target}")
+    print(json.dumps(summary))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -136,7 +162,11 @@ def main() -> None:
                     "with --ignore-eos: at T > 0 the arms' answers differ, and so would their lengths and work)")
     ap.add_argument("--out", help="write the rows and every bench run's full JSON here")
     ap.add_argument("--plot", help="write the speed-up plot (PNG) here")
+    ap.add_argument("--merge", nargs="+", metavar="FILE", help="run nothing: combine the rows of earlier --out "
+                    "files (a grid split over several device calls, same settings) into one --out and --plot")
     args = ap.parse_args()
+    if args.merge:
+        return merge(args)
     if (args.target is None) != (args.drafter is None):
         ap.error("give both --target and --drafter, or neither (the embedded pair)")
     full, rows, commands, device = [], [], [], args.device
