@@ -68,6 +68,10 @@ def rows_of(result: dict) -> list[dict]:
             "adaptive_accept_length": adaptive["accept_length"],
             "fixed_accept_lengths": {name: a["accept_length"] for name, a in fixed.items()},
             "plain_tokens_per_s": arms["plain"]["tokens_per_s"],
+            # where the adaptive arm's time went beside plain decoding's (its drafter's work)
+            "joins_s": {"adaptive": adaptive["time_in_joins_s"], "plain": arms["plain"]["time_in_joins_s"]},
+            "steps_s": {"adaptive": adaptive["time_in_steps_s"], "plain": arms["plain"]["time_in_steps_s"]},
+            "drafter_work": {k: adaptive.get(k) for k in ("catch_ups", "catch_up_s", "deferred_prefills", "spills")},
             "identical": adaptive["identical"],
         })
     return out
