@@ -183,6 +183,22 @@ def test_healthy_pair_passes(healthy):
     assert check(healthy, "will it pay")["status"] in ("PASS", "WARN")
 
 
+def test_engine_fault_probes_on_the_healthy_pair(healthy):
+    """The probes for faults an engine makes loading a healthy export (the planted faults of
+    benchmarks/vllm_doctor_faults.py): each is scored, and each loses acceptance the
+    configuration has, so a live τ this low is explained by them. The pair's RoPE theta is the
+    default already, so that probe does not apply."""
+    exp = healthy["expected"]["accept_length"]
+    for name in ("d2t missing", "d2t shuffled", "norm_before_residual flipped", "norm before fc"):
+        p = probe(healthy, name)
+        assert p["applicable"] and not p["clearly_better"], name
+        assert p["accept_length"] < exp - 0.1, (name, p["accept_length"], exp)
+    # a map to the wrong target ids leaves almost nothing to accept
+    assert probe(healthy, "d2t shuffled")["accept_length"] < 1.3
+    theta = probe(healthy, "default rope theta")
+    assert not theta["applicable"] and "theta != 10000" in theta["note"]
+
+
 # ---- planted faults ------------------------------------------------------------------------------
 def test_shifted_layer_ids(pair):
     """eagle_config ids written one too low (converted to 'output of layer i' twice), draftsman

@@ -35,6 +35,7 @@ from draftsman.doctor.load import LoadedDrafter, load_lenient
 from draftsman.doctor.probes import (
     Probe,
     expected_check,
+    integration_probes,
     layer_probes,
     other_probes,
     probe_check,
@@ -179,6 +180,7 @@ def run_probes(ld: LoadedDrafter, target, configured: Convention, feats: Feature
     probes = layer_probes(configured, d.layer_ids_source, n, captures)
     probes += other_probes(configured, ld.d2t, ld.t2d, tcfg.vocab_size, ld.config.rope, tcfg.rope, raw is not None,
                            opts.spec.steps)
+    probes += integration_probes(configured, ld.d2t, ld.config.rope, ld.config.norm_before_residual)
     for p in probes:
         if p.convention is None:
             continue

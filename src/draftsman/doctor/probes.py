@@ -147,6 +147,51 @@ def other_probes(configured: Convention, d2t: torch.Tensor | None, t2d: torch.Te
     return out
 
 
+DEFAULT_ROPE_THETA = 10000.0  # what Llama configs (and engines' readers) fall back to without rope_theta
+
+
+def integration_probes(configured: Convention, d2t: torch.Tensor | None, drafter_rope: RopeConfig,
+                       norm_before_residual: bool) -> list[Probe]:
+    """Faults an engine (or a hand-edited export) can introduce while loading a healthy checkpoint:
+    the vocabulary map dropped or scrambled, RoPE at the default theta, the residual taken on the
+    wrong side of hidden_norm, an extra RMSNorm over cat(aux) before fc. Each reproduces the live
+    acceptance such an engine would get."""
+    trained_map = "the checkpoint's d2t (target_id = draft_id + d2t[draft_id])"
+    reduced = d2t is not None and bool(d2t.any())
+    n = configured.draft_token_ids.numel()
+    out = [Probe("d2t missing", dataclasses.replace(configured, draft_token_ids=torch.arange(n)) if reduced else None,
+                 "draft id i read as target id i (no d2t: zero offsets)", trained_map,
+                 "the engine runs without the checkpoint's d2t (draft ids used as target ids)",
+                 None if reduced else "d2t absent or all zero: the identity map is the configuration")]
+    shuffled = None
+    if d2t is not None:
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+        shuffled = configured.draft_token_ids[perm]
+    out.append(Probe("d2t shuffled", dataclasses.replace(configured, draft_token_ids=shuffled)
+                     if shuffled is not None else None,
+                     "the same target ids assigned to other draft rows (a scrambled d2t)", trained_map,
+                     "the engine maps draft rows to the wrong target ids (d2t reordered or of another drafter)",
+                     None if shuffled is not None else "no d2t"))
+    default_theta = drafter_rope.type == "default" and drafter_rope.theta != DEFAULT_ROPE_THETA
+    out.append(Probe("default rope theta",
+                     dataclasses.replace(configured, rope=dataclasses.replace(drafter_rope, theta=DEFAULT_ROPE_THETA))
+                     if default_theta else None,
+                     f"RoPE theta {DEFAULT_ROPE_THETA:g} (the Llama default)", f"the drafter config's {describe_rope(drafter_rope)}",
+                     f"the engine builds the drafter's RoPE with theta {DEFAULT_ROPE_THETA:g} (rope_theta not read or wrong)",
+                     None if default_theta else f"the drafter's RoPE is not a default RoPE with theta != {DEFAULT_ROPE_THETA:g}"))
+    side = "hidden_norm(h)" if norm_before_residual else "h before hidden_norm"
+    other = "h before hidden_norm" if norm_before_residual else "hidden_norm(h)"
+    out.append(Probe("norm_before_residual flipped", dataclasses.replace(configured, flip_norm_before_residual=True),
+                     f"the residual taken from {other} (norm_before_residual {not norm_before_residual})",
+                     f"the residual taken from {side} (norm_before_residual {norm_before_residual})",
+                     f"the engine reads norm_before_residual as {not norm_before_residual}"))
+    out.append(Probe("norm before fc", dataclasses.replace(configured, norm_before_fc=True),
+                     "an RMSNorm over cat(aux states) before fc (norm_before_fc true)",
+                     "fc over the raw aux states (norm_before_fc false)",
+                     "the engine applies an RMSNorm to cat(aux states) before fc (norm_before_fc read as true)"))
+    return out
+
+
 def probe_check(probe: Probe, configured: Score) -> Check:
     name = f"convention probe: {probe.name}"
     if probe.score is None:
