@@ -65,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--spec-steps", type=int, default=3, help="chain length N (vLLM num_speculative_tokens)")
     p.add_argument("--warmup", type=int, default=2, help="untimed requests before every arm")
+    p.add_argument("--seed", default="0",
+                   help="request seed ('none': unseeded; draftsman serve decodes a seeded T>0 request in a "
+                        "session of its own, so seeded T=1 requests are not batched together)")
     p.add_argument("--engines", default=",".join(ENGINES))
     p.add_argument("--logs", default="/work/cache/logs/side-by-side")
     p.add_argument("--out")
@@ -107,7 +110,9 @@ def bench(args: argparse.Namespace, spec: Server, plain: Server, dataset: str, t
     cmd = [sys.executable, "-m", "draftsman.cli", "bench", "--server-url", spec.url, "--baseline-url", plain.url,
            "--dataset", str(Path(args.eval_dir) / SETS[dataset]), "--num-prompts", str(args.num_prompts),
            "--max-new-tokens", str(args.max_new_tokens), "--batch-sizes", args.batch_sizes,
-           "--temperature", str(temperature), "--seed", "0", "--warmup", str(args.warmup), "--json"]
+           "--temperature", str(temperature), "--warmup", str(args.warmup), "--json"]
+    if args.seed.lower() != "none":
+        cmd += ["--seed", args.seed]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=draftsman_env())
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")

@@ -499,3 +499,28 @@ def test_matching_probes_rank_by_closeness():
     probes = [p("a", 1.3), p("b", 1.05), p("c", 2.4)]
     got = matching_probes({"accept_length": 1.1, "accept_rate_per_position": [0.1]}, probes, _score(0.8, 2.5))
     assert [q.name for q, _ in got] == ["b"]  # within max(0.1, 0.25 x 0.1) of 1.1; c shows no drop
+
+
+def test_same_answers_make_a_small_server_gap_an_integration_fault():
+    """A server that wrote the replay's very answers must match its τ up to rounding: a 4% drop is
+    then real, and the probe reproducing it to EXACT_TOL is named, even for a weak drafter (its
+    low expected acceptance becomes a caveat, not the verdict)."""
+    from draftsman.doctor.probes import Probe
+    from draftsman.doctor.verdict import verdict
+
+    def p(name: str, tau: float) -> Probe:
+        out = Probe(name, None, "", "", f"fault {name}")
+        out.score = _score(tau - 1, tau)
+        return out
+
+    expected = _score(0.35, 1.57)  # step-0 below EXPECT_WARN: alone, a "training" verdict
+    probes = [p("layer ids +1", 1.51), p("layer ids -1", 1.45), p("d2t missing", 1.0)]
+    live = {"accept_length": 1.57, "accept_rate_per_position": [0.35]}
+    server = {"accept_length": 1.509, "accept_rate_per_position": [0.31], "texts_total": 8, "text_equal_chat": 8}
+    v = verdict([], expected, probes, live, server)
+    assert v["kind"] == "integration" and v["causes"] == ["layer ids +1"]
+    assert "likely cause: fault layer ids +1" in v["message"] and "besides, training/data problem" in v["message"]
+    # different answers: the replay is no exact prediction, so a 4% drop proves nothing
+    assert verdict([], expected, probes, live, server | {"text_equal_chat": 6})["kind"] == "training"
+    # the same answers and the same τ: no integration fault
+    assert verdict([], expected, probes, live, server | {"accept_length": 1.565})["kind"] == "training"

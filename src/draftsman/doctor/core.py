@@ -332,6 +332,7 @@ def server_text_match(server: dict, data: Data, tokenizer) -> None:
 
     chat, raw = count(data.samples), count(data.raw)
     server["text_equal_chat"], server["text_equal_raw"] = chat, raw
+    server["texts_total"] = len(texts)
     parts = [f"server text equals the in-process greedy answer for {chat}/{len(texts)} prompts"]
     if raw is not None and raw > (chat or 0):
         parts.append(f"but the RAW-prompt answer for {raw}/{len(texts)}: the server does not apply the chat template")

@@ -243,12 +243,23 @@ def live_gap(live_tau: float, expected_tau: float) -> str:
     return FAIL if got < LIVE_FAIL * want else "WARN" if got < LIVE_WARN * want else PASS
 
 
+EXACT_TOL = 0.02  # τ of an engine writing the very answers the replay scored: equal up to rounding
+
+
+def same_answers(live: dict) -> bool:
+    """The server wrote exactly the target's greedy answers the replay scored (every text equal):
+    its τ must then equal the replay's up to float rounding, and any gap is the integration's."""
+    total = live.get("texts_total")
+    return bool(total) and live.get("text_equal_chat") == total
+
+
 def matching_probes(live: dict, probes: Sequence[Probe], expected: Score) -> list[tuple[Probe, float]]:
     """Probes whose expected acceptance reproduces a low live measurement, closest first: distance
-    = |Δτ| + mean |Δp_i| over the positions both have."""
+    = |Δτ| + mean |Δp_i| over the positions both have. When the server wrote the replay's very
+    answers (`same_answers`) the replay predicts its τ exactly, and the tolerance is EXACT_TOL."""
     tau = live["accept_length"]
     rates = live.get("accept_rate_per_position") or []
-    tol = max(0.1, 0.25 * (tau - 1))
+    tol = EXACT_TOL if same_answers(live) else max(0.1, 0.25 * (tau - 1))
     out = []
     for p in probes:
         s = p.score

@@ -106,18 +106,21 @@ class Server:
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env,
                                          start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}): {self.tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        self.stop()
-        raise RuntimeError(f"{self.name} not healthy after {timeout_s:.0f} s: {self.tail()}")
+        try:
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited ({self.proc.returncode}): {self.tail()}")
+                try:
+                    if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+                time.sleep(1.0)
+            raise RuntimeError(f"{self.name} not healthy after {timeout_s:.0f} s: {self.tail()}")
+        except BaseException:  # interrupted or failed: never leave the engine running
+            self.stop()
+            raise
 
     def tail(self, chars: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
