@@ -167,6 +167,9 @@ def verdict(checks: Sequence[Check], expected: Score | None, probes: Sequence[Pr
             found["message"] += f"; besides, {low['message']}"
         return found
     if low is not None:
+        if server is not None and server.get("accept_length") is not None:
+            low["message"] += (f"; the integration is healthy: the server gets τ {server['accept_length']:.2f}, "
+                               f"as expected ({engine_ref:.2f})")
         return low
     msg = f"healthy: expected step-0 {expected.step0:.2f}, τ {expected.accept_length:.2f}"
     if live is not None:
