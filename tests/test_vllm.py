@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsman.interop.launch import VLLM_PYTHON_ENV, vllm_python
+from draftsman.interop.launch import VLLM_PYTHON_ENV, cpu_env, vllm_python
 
 pytestmark = pytest.mark.vllm
 
@@ -98,8 +98,9 @@ def offline(python: str, prompts: list[list[int]], tmp: Path, drafter: Path | No
            "--max-tokens", str(MAX_TOKENS), "--steps", str(STEPS)]
     if drafter is not None:
         cmd += ["--drafter", str(drafter)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=cpu_env(python))
+    causes = [line for line in proc.stderr.splitlines() if "Error" in line and "raise" not in line]
+    assert proc.returncode == 0, "\n".join(causes[-8:]) + proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

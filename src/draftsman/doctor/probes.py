@@ -243,7 +243,9 @@ def live_gap(live_tau: float, expected_tau: float) -> str:
     return FAIL if got < LIVE_FAIL * want else "WARN" if got < LIVE_WARN * want else PASS
 
 
-EXACT_TOL = 0.02  # τ of an engine writing the very answers the replay scored: equal up to rounding
+EXACT_TOL = 0.005  # τ of an engine writing the very answers the replay scored: equal to the token
+# (vLLM and draftsman gave the same accepted count at every position on 3 sets; one accepted draft
+# in 200 rounds moves τ by 0.005)
 
 
 def same_answers(live: dict) -> bool:
