@@ -101,7 +101,7 @@ def offline(python: str, prompts: list[list[int]], tmp: Path, drafter: Path | No
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=cpu_env(python))
     causes = [line for line in proc.stderr.splitlines() if "Error" in line and "raise" not in line]
     assert proc.returncode == 0, "\n".join(causes[-8:]) + proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
 
 
 @pytest.fixture(scope="module")

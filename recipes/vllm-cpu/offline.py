@@ -5,7 +5,7 @@ environment; tests/test_vllm.py drives it).
     $DRAFTSMAN_VLLM_PYTHON recipes/vllm-cpu/offline.py --target DIR --prompts prompts.json \\
         [--drafter EXPORT --steps 3] --max-tokens 32
 
-prompts.json: a list of token-id lists. Prints one JSON line {"outputs": [[ids]], "drafts",
+prompts.json: a list of token-id lists. Prints one line "RESULT " + JSON (vLLM logs to stdout too) {"outputs": [[ids]], "drafts",
 "draft_tokens", "accepted", "accepted_per_pos": [...]} (counters 0 without a drafter). Every
 answer runs to --max-tokens (ignore_eos), so engines compare token for token.
 """
@@ -47,7 +47,7 @@ def main() -> None:
               speculative_config=spec, disable_log_stats=False)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in json.loads(Path(args.prompts).read_text())]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True))
-    print(json.dumps({"outputs": [list(o.outputs[0].token_ids) for o in outs]} | counters(llm.get_metrics())))
+    print("RESULT " + json.dumps({"outputs": [list(o.outputs[0].token_ids) for o in outs]} | counters(llm.get_metrics())))
 
 
 if __name__ == "__main__":  # vLLM's engine spawns a process: the LLM must be made under this guard
