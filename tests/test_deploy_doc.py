@@ -42,7 +42,9 @@ CPU_SIZES = {
     "--max-new-tokens 256": "--max-new-tokens 8",
     "--num-prompts 16": "--num-prompts 2",
 }
-UNTESTED = ("python -m sglang.launch_server", "vllm serve", "export ")  # need GPUs / set variables
+# need GPUs / set variables / the vLLM virtual environment (tests/test_vllm.py, -m vllm)
+UNTESTED = ("python -m sglang.launch_server", "vllm serve", "export ", "bash recipes/vllm-cpu/",
+            "DRAFTSMAN_VLLM_PYTHON=")
 
 
 def blocks(text: str) -> list[tuple[str, str]]:

@@ -183,6 +183,22 @@ def test_healthy_pair_passes(healthy):
     assert check(healthy, "will it pay")["status"] in ("PASS", "WARN")
 
 
+def test_engine_fault_probes_on_the_healthy_pair(healthy):
+    """The probes for faults an engine makes loading a healthy export (the planted faults of
+    benchmarks/vllm_doctor_faults.py): each is scored, and each loses acceptance the
+    configuration has, so a live τ this low is explained by them. The pair's RoPE theta is the
+    default already, so that probe does not apply."""
+    exp = healthy["expected"]["accept_length"]
+    for name in ("d2t missing", "d2t shuffled", "norm_before_residual flipped", "norm before fc"):
+        p = probe(healthy, name)
+        assert p["applicable"] and not p["clearly_better"], name
+        assert p["accept_length"] < exp - 0.1, (name, p["accept_length"], exp)
+    # a map to the wrong target ids leaves almost nothing to accept
+    assert probe(healthy, "d2t shuffled")["accept_length"] < 1.3
+    theta = probe(healthy, "default rope theta")
+    assert not theta["applicable"] and "theta != 10000" in theta["note"]
+
+
 # ---- planted faults ------------------------------------------------------------------------------
 def test_shifted_layer_ids(pair):
     """eagle_config ids written one too low (converted to 'output of layer i' twice), draftsman
@@ -483,3 +499,29 @@ def test_matching_probes_rank_by_closeness():
     probes = [p("a", 1.3), p("b", 1.05), p("c", 2.4)]
     got = matching_probes({"accept_length": 1.1, "accept_rate_per_position": [0.1]}, probes, _score(0.8, 2.5))
     assert [q.name for q, _ in got] == ["b"]  # within max(0.1, 0.25 x 0.1) of 1.1; c shows no drop
+
+
+def test_same_answers_make_a_small_server_gap_an_integration_fault():
+    """A server that wrote the replay's very answers must match its τ up to rounding: a 4% drop is
+    then real, and the probe reproducing it to EXACT_TOL is named, even for a weak drafter (its
+    low expected acceptance becomes a caveat, not the verdict)."""
+    from draftsman.doctor.probes import Probe
+    from draftsman.doctor.verdict import verdict
+
+    def p(name: str, tau: float) -> Probe:
+        out = Probe(name, None, "", "", f"fault {name}")
+        out.score = _score(tau - 1, tau)
+        return out
+
+    expected = _score(0.35, 1.57)  # step-0 below EXPECT_WARN: alone, a "training" verdict
+    probes = [p("layer ids +1", 1.51), p("layer ids -1", 1.45), p("d2t missing", 1.0)]
+    live = {"accept_length": 1.57, "accept_rate_per_position": [0.35]}
+    server = {"accept_length": 1.509, "accept_rate_per_position": [0.31], "texts_total": 8, "text_equal_chat": 8}
+    v = verdict([], expected, probes, live, server)
+    assert v["kind"] == "integration" and v["causes"] == ["layer ids +1"]
+    assert "likely cause: fault layer ids +1" in v["message"] and "besides, training/data problem" in v["message"]
+    # different answers: the replay is no exact prediction, so a 4% drop proves nothing
+    assert verdict([], expected, probes, live, server | {"text_equal_chat": 6})["kind"] == "training"
+    # the same answers and the same τ: no integration fault
+    same = verdict([], expected, probes, live, server | {"accept_length": 1.568})
+    assert same["kind"] == "training" and "the integration is healthy: the server gets τ 1.57" in same["message"]

@@ -22,7 +22,9 @@ Each line is PASS / WARN / FAIL (or SKIP, with the reason) with what was checked
                 SGLang or vLLM would capture, the default layers, a search over the target's layers,
                 the last aux state after the final norm, d2t as absolute ids, the vocabulary t2d
                 marks, raw prompts without the chat template, drafted tokens one position off, the
-                target's RoPE. A probe "clearly" beats the configuration when its step-0 acceptance
+                target's RoPE; and faults an engine makes loading a healthy export: d2t missing
+                (draft ids as target ids) or shuffled, RoPE at the default theta 10000,
+                norm_before_residual flipped, an RMSNorm over cat(aux) before fc. A probe "clearly" beats the configuration when its step-0 acceptance
                 or its accepted drafts per round (τ - 1) is higher by > 0.1 absolute and > 1.5x:
                 "this drafter was trained with X; the configuration uses Y".
   live          τ of draftsman's engine on the same prompts (greedy; it must equal the replay and
@@ -55,7 +57,9 @@ Exit status 1 when any check FAILs (0 with --exit-zero), 2 when doctor cannot ru
                 step_accept, accept_rate_per_position, clearly_better, trained_with, configured,
                 layer_ids, note}]; names: "layer ids -1", "layer ids +1", "sglang layer ids",
                 "vllm layer ids", "default layer ids", "post-norm last aux", "d2t absolute",
-                "vocab from t2d", "no chat template", "positions +1", "target rope", "layer search"
+                "vocab from t2d", "no chat template", "positions +1", "target rope", "d2t missing",
+                "d2t shuffled", "default rope theta", "norm_before_residual flipped",
+                "norm before fc", "layer search"
   live          {engine: {source, accept_length, accept_rate_per_position, rounds,
                 accept_length_histogram, identical, simulated, spec} | null,
                 server: {source, url, model, accept_length, accept_rate_per_position, rounds,

@@ -35,6 +35,7 @@ from draftsman.doctor.load import LoadedDrafter, load_lenient
 from draftsman.doctor.probes import (
     Probe,
     expected_check,
+    integration_probes,
     layer_probes,
     other_probes,
     probe_check,
@@ -179,6 +180,7 @@ def run_probes(ld: LoadedDrafter, target, configured: Convention, feats: Feature
     probes = layer_probes(configured, d.layer_ids_source, n, captures)
     probes += other_probes(configured, ld.d2t, ld.t2d, tcfg.vocab_size, ld.config.rope, tcfg.rope, raw is not None,
                            opts.spec.steps)
+    probes += integration_probes(configured, ld.d2t, ld.config.rope, ld.config.norm_before_residual)
     for p in probes:
         if p.convention is None:
             continue
@@ -330,6 +332,7 @@ def server_text_match(server: dict, data: Data, tokenizer) -> None:
 
     chat, raw = count(data.samples), count(data.raw)
     server["text_equal_chat"], server["text_equal_raw"] = chat, raw
+    server["texts_total"] = len(texts)
     parts = [f"server text equals the in-process greedy answer for {chat}/{len(texts)} prompts"]
     if raw is not None and raw > (chat or 0):
         parts.append(f"but the RAW-prompt answer for {raw}/{len(texts)}: the server does not apply the chat template")

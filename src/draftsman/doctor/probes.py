@@ -147,6 +147,51 @@ def other_probes(configured: Convention, d2t: torch.Tensor | None, t2d: torch.Te
     return out
 
 
+DEFAULT_ROPE_THETA = 10000.0  # what Llama configs (and engines' readers) fall back to without rope_theta
+
+
+def integration_probes(configured: Convention, d2t: torch.Tensor | None, drafter_rope: RopeConfig,
+                       norm_before_residual: bool) -> list[Probe]:
+    """Faults an engine (or a hand-edited export) can introduce while loading a healthy checkpoint:
+    the vocabulary map dropped or scrambled, RoPE at the default theta, the residual taken on the
+    wrong side of hidden_norm, an extra RMSNorm over cat(aux) before fc. Each reproduces the live
+    acceptance such an engine would get."""
+    trained_map = "the checkpoint's d2t (target_id = draft_id + d2t[draft_id])"
+    reduced = d2t is not None and bool(d2t.any())
+    n = configured.draft_token_ids.numel()
+    out = [Probe("d2t missing", dataclasses.replace(configured, draft_token_ids=torch.arange(n)) if reduced else None,
+                 "draft id i read as target id i (no d2t: zero offsets)", trained_map,
+                 "the engine runs without the checkpoint's d2t (draft ids used as target ids)",
+                 None if reduced else "d2t absent or all zero: the identity map is the configuration")]
+    shuffled = None
+    if d2t is not None:
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+        shuffled = configured.draft_token_ids[perm]
+    out.append(Probe("d2t shuffled", dataclasses.replace(configured, draft_token_ids=shuffled)
+                     if shuffled is not None else None,
+                     "the same target ids assigned to other draft rows (a scrambled d2t)", trained_map,
+                     "the engine maps draft rows to the wrong target ids (d2t reordered or of another drafter)",
+                     None if shuffled is not None else "no d2t"))
+    default_theta = drafter_rope.type == "default" and drafter_rope.theta != DEFAULT_ROPE_THETA
+    out.append(Probe("default rope theta",
+                     dataclasses.replace(configured, rope=dataclasses.replace(drafter_rope, theta=DEFAULT_ROPE_THETA))
+                     if default_theta else None,
+                     f"RoPE theta {DEFAULT_ROPE_THETA:g} (the Llama default)", f"the drafter config's {describe_rope(drafter_rope)}",
+                     f"the engine builds the drafter's RoPE with theta {DEFAULT_ROPE_THETA:g} (rope_theta not read or wrong)",
+                     None if default_theta else f"the drafter's RoPE is not a default RoPE with theta != {DEFAULT_ROPE_THETA:g}"))
+    side = "hidden_norm(h)" if norm_before_residual else "h before hidden_norm"
+    other = "h before hidden_norm" if norm_before_residual else "hidden_norm(h)"
+    out.append(Probe("norm_before_residual flipped", dataclasses.replace(configured, flip_norm_before_residual=True),
+                     f"the residual taken from {other} (norm_before_residual {not norm_before_residual})",
+                     f"the residual taken from {side} (norm_before_residual {norm_before_residual})",
+                     f"the engine reads norm_before_residual as {not norm_before_residual}"))
+    out.append(Probe("norm before fc", dataclasses.replace(configured, norm_before_fc=True),
+                     "an RMSNorm over cat(aux states) before fc (norm_before_fc true)",
+                     "fc over the raw aux states (norm_before_fc false)",
+                     "the engine applies an RMSNorm to cat(aux states) before fc (norm_before_fc read as true)"))
+    return out
+
+
 def probe_check(probe: Probe, configured: Score) -> Check:
     name = f"convention probe: {probe.name}"
     if probe.score is None:
@@ -198,12 +243,25 @@ def live_gap(live_tau: float, expected_tau: float) -> str:
     return FAIL if got < LIVE_FAIL * want else "WARN" if got < LIVE_WARN * want else PASS
 
 
+EXACT_TOL = 0.005  # τ of an engine writing the very answers the replay scored: equal to the token
+# (vLLM and draftsman gave the same accepted count at every position on 3 sets; one accepted draft
+# in 200 rounds moves τ by 0.005)
+
+
+def same_answers(live: dict) -> bool:
+    """The server wrote exactly the target's greedy answers the replay scored (every text equal):
+    its τ must then equal the replay's up to float rounding, and any gap is the integration's."""
+    total = live.get("texts_total")
+    return bool(total) and live.get("text_equal_chat") == total
+
+
 def matching_probes(live: dict, probes: Sequence[Probe], expected: Score) -> list[tuple[Probe, float]]:
     """Probes whose expected acceptance reproduces a low live measurement, closest first: distance
-    = |Δτ| + mean |Δp_i| over the positions both have."""
+    = |Δτ| + mean |Δp_i| over the positions both have. When the server wrote the replay's very
+    answers (`same_answers`) the replay predicts its τ exactly, and the tolerance is EXACT_TOL."""
     tau = live["accept_length"]
     rates = live.get("accept_rate_per_position") or []
-    tol = max(0.1, 0.25 * (tau - 1))
+    tol = EXACT_TOL if same_answers(live) else max(0.1, 0.25 * (tau - 1))
     out = []
     for p in probes:
         s = p.score

@@ -20,7 +20,8 @@ dynamic tree (it ignores the competition for the frontier and the verify budget)
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +83,8 @@ class Convention:
     draft_position_offset: int = 0  # added to the positions of drafted tokens (steps >= 1)
     rope: RopeConfig | None = None  # None: the drafter's own
     data: str = "chat"  # "chat" | "raw": which Features the drafter reads
+    norm_before_fc: bool = False  # an RMSNorm (unit weight) over cat(aux) before fc
+    flip_norm_before_residual: bool = False  # the residual taken on the other side of hidden_norm
 
 
 @dataclass
@@ -149,11 +152,28 @@ def scored_tokens(feats: Features, lookahead: bool = False) -> Tensor:
     return (t[None] > feats.prompt_lengths[:, None]) & (t[None] < end[:, None])
 
 
-def aux_inputs(feats: Features, conv: Convention, final_norm: Callable[[Tensor], Tensor], rows: slice) -> list[Tensor]:
+def aux_inputs(feats: Features, conv: Convention, final_norm: Callable[[Tensor], Tensor], rows: slice,
+               eps: float = 1e-6) -> list[Tensor]:
     states = [feats.states[i][rows] for i in conv.layer_ids]
     if conv.post_norm:
         states[-1] = final_norm(states[-1])
+    if conv.norm_before_fc:  # RMS over the whole concatenation, as an engine's input_norm does
+        x = torch.cat(states, dim=-1).float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        states = list(x.to(states[0].dtype).chunk(len(states), dim=-1))
     return states
+
+
+@contextmanager
+def residual_side(drafter, flip: bool) -> Iterator[None]:
+    """The drafter layer with its norm_before_residual flipped while scoring (restored after)."""
+    layer = drafter.midlayer
+    saved = layer.norm_before_residual
+    layer.norm_before_residual = saved != flip
+    try:
+        yield
+    finally:
+        layer.norm_before_residual = saved
 
 
 @torch.no_grad()
@@ -199,15 +219,18 @@ def hits(drafter, target, feats: Features, conv: Convention, steps: int, topk: i
     to_target = conv.draft_token_ids.to(ids.device)
     top1 = torch.zeros_like(masks)
     topn = torch.zeros_like(masks)
-    for start in range(0, ids.shape[0], rows_per_forward):
-        rows = slice(start, start + rows_per_forward)
-        hidden = drafter.project(aux_inputs(feats, conv, target.norm, rows))
-        preds = unrolled_predictions(drafter, embed, ids[rows], hidden, steps, topk, rotary, conv.draft_position_offset)
-        for k, p in enumerate(preds):
-            cand = to_target[p]  # [b, T, topk] target ids
-            want = truth[k, rows][..., None]
-            top1[k, rows] = cand[..., 0] == want[..., 0]
-            topn[k, rows] = (cand == want).any(-1)
+    eps = drafter.config.rms_norm_eps
+    with residual_side(drafter, conv.flip_norm_before_residual):
+        for start in range(0, ids.shape[0], rows_per_forward):
+            rows = slice(start, start + rows_per_forward)
+            hidden = drafter.project(aux_inputs(feats, conv, target.norm, rows, eps))
+            preds = unrolled_predictions(drafter, embed, ids[rows], hidden, steps, topk, rotary,
+                                         conv.draft_position_offset)
+            for k, p in enumerate(preds):
+                cand = to_target[p]  # [b, T, topk] target ids
+                want = truth[k, rows][..., None]
+                top1[k, rows] = cand[..., 0] == want[..., 0]
+                topn[k, rows] = (cand == want).any(-1)
     return top1 & reach, topn & reach, masks
 
 
