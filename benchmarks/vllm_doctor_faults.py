@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from draftsman.interop.launch import (  # noqa: E402
     VLLM_PYTHON_ENV,
     Server,
     cpu_env,
+    draftsman_env,
     free_port,
     vllm_command,
     vllm_python,
@@ -126,8 +126,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def draftsman(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    return subprocess.run([sys.executable, "-m", "draftsman.cli", *args], capture_output=True, text=True, env=env)
+    return subprocess.run([sys.executable, "-m", "draftsman.cli", *args], capture_output=True, text=True, env=draftsman_env())
 
 
 def make_exports(args: argparse.Namespace, names: list[str]) -> dict[str, Path]:

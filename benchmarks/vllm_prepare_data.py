@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ from draftsman.interop.launch import (  # noqa: E402
     VLLM_PYTHON_ENV,
     Server,
     cpu_env,
+    draftsman_env,
     free_port,
     vllm_command,
     vllm_python,
@@ -51,8 +51,7 @@ def prepare_data(args: argparse.Namespace, output: Path, *extra: str) -> list[st
     cmd = [sys.executable, "-m", "draftsman.cli", "prepare-data", "--input", args.input, "--output", str(output),
            "--num-samples", str(args.num_samples), "--max-new-tokens", str(args.max_new_tokens),
            "--temperature", "0", "--target", args.target, *extra]
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=draftsman_env())
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr[-3000:]}")
     return cmd

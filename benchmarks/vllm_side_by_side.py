@@ -42,6 +42,7 @@ from draftsman.interop.launch import (  # noqa: E402
     Server,
     cpu_env,
     draftsman_command,
+    draftsman_env,
     free_port,
     vllm_command,
     vllm_python,
@@ -73,12 +74,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out")
     p.add_argument("--plot")
     return p.parse_args(argv)
-
-
-def draftsman_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
-    return env
 
 
 def export(args: argparse.Namespace) -> tuple[Path, list[str]]:

@@ -11,19 +11,17 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
 import draftsman
 from draftsman.cli import COMMANDS
 from draftsman.cli import main as cli_main
+from draftsman.interop.launch import Server, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "deploy.md"
@@ -72,12 +70,6 @@ def test_only_engine_launches_are_left_untested():
         assert flag in text, f"CPU_SIZES entry {flag!r} no longer appears in the guide"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def chat_target(tmp_path_factory) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -122,35 +114,18 @@ class Servers:
     """`draftsman serve` processes standing in for the engines (started and stopped here only)."""
 
     def __init__(self, logs: Path) -> None:
-        self.logs, self.procs = logs, []
+        self.logs, self.servers = logs, []
 
     def start(self, *args: str) -> str:
         port = free_port()
-        log = (self.logs / f"serve-{port}.log").open("w")
-        proc = subprocess.Popen([sys.executable, "-m", "draftsman.cli", "serve", *args, "--port", str(port),
-                                 "--device", "cpu"], stdout=log, stderr=subprocess.STDOUT)
-        self.procs.append(proc)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"draftsman serve exited: {(self.logs / f'serve-{port}.log').read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    return url
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError("draftsman serve did not become healthy")
+        cmd = [sys.executable, "-m", "draftsman.cli", "serve", *args, "--port", str(port), "--device", "cpu"]
+        server = Server("draftsman serve", cmd, port, self.logs / f"serve-{port}.log")
+        self.servers.append(server)
+        return server.start(timeout_s=90).url
 
     def stop(self) -> None:
-        for proc in self.procs:
-            proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        for server in self.servers:
+            server.stop()
 
 
 def test_every_cpu_command_of_the_guide_runs(chat_target, tmp_path):

@@ -71,6 +71,15 @@ def draftsman_command(target: str | Path, port: int, drafter: str | Path | None 
     return cmd
 
 
+def draftsman_env() -> dict[str, str]:
+    """This environment, with the folder holding this draftsman package first on PYTHONPATH, so
+    `python -m draftsman.cli` subprocesses run the same code as their caller (a checkout that is
+    not installed included)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH")]))
+    return env
+
+
 def cpu_env(python: str, cores: int | None = None, kv_cache_gib: int = 2) -> dict[str, str]:
     """Environment for vLLM's CPU build: every core to the engine, its KV cache size, and the
     preloads its CPU guide recommends (tcmalloc, the venv's Intel OpenMP) where they exist."""
