@@ -4,6 +4,8 @@ lossless with the drafter caught up after plain stretches."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ import draftsman
 from draftsman.generate import StopRules
 from draftsman.reference import TARGET_DIR
 from draftsman.sampling import SamplingParams
-from draftsman.session import DecodeSession, PlainSession, run_to_completion
+from draftsman.session import DecodeSession, PlainSession, Request, run_to_completion
 from draftsman.spec.adaptive import PLAIN, AdaptivePolicy, bucket
 from draftsman.spec.engine import BACKLOG, SpecConfig, SpecSession
 from draftsman.tokenizer import encode_prompt, load_tokenizer
@@ -812,3 +814,39 @@ def test_a_batch_draining_plainly_is_not_asked_again_until_its_rows_change(pair)
     assert settled and all(calls[i][0] is None and calls[i][2] for i in settled)
     assert len(calls) < settled[0] + 5  # a few more questions at most (a row leaving), not one a round
     assert sum(len(t) for t in plain) / 2 > settled[0] + 20  # (and many rounds were left to run)
+
+
+def test_plain_decoding_chosen_holds_for_hold_rounds_without_asking(pair):
+    """Rows that keep coming (a server: `waiting` unknown): once plain decoding is the bucket's
+    arm the session asks the policy once per `hold_rounds` rounds, not every round, still
+    re-measures speculation when due, and outputs stay plain decoding's."""
+    target, drafter = pair
+    calls = []
+
+    class Counting(AdaptivePolicy):
+        def choose(self, batch, ready=None, drain=None):
+            arm = super().choose(batch, ready, drain)
+            calls.append((self.round, arm))
+            return arm
+
+        def observe(self, arm, batch, seconds, accepted, classes=None):  # speculation made to lose clearly
+            super().observe(arm, batch, None if seconds is None else seconds * (1 if arm is None else 10), accepted,
+                            classes)
+
+    rules = StopRules(max_new_tokens=90)
+    greedy = SamplingParams(temperature=0.0)
+    plain = [r.state.tokens for r in run_to_completion(PlainSession(target, 140), prompts()[:1], rules, greedy)]
+    policy = Counting([CHAIN], explore_every=32, max_explore_every=32, hold_rounds=8)
+    session = SpecSession(target, drafter, None, 140, policy=policy)
+    request = Request(0, prompts()[0], rules, greedy)
+    session.add([request])
+    session.waiting = None
+    while session.num_running:
+        session.step()
+    assert request.state.tokens == plain[0]
+    assert policy.round >= 80
+    spec_probes = [r for r, arm in calls if arm is not None]
+    assert len(spec_probes) >= 3  # timed first, then re-measured every 32 rounds
+    assert len(calls) <= policy.round / 8 + len(spec_probes) * 2 + 4  # not asked every round
+    gaps = [b - a for (a, _), (b, _) in itertools.pairwise(calls)]
+    assert max(gaps) <= 9

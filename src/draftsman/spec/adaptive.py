@@ -148,6 +148,12 @@ class AdaptivePolicy:
     drain_prior: float = 16.0
     finished: deque = field(default_factory=lambda: deque(maxlen=512))  # finished rows' relative acceptance
     explore_every: int = 64  # rounds between re-measurements of the stalest arm, at first
+    # Plain decoding chosen as the bucket's arm, the rows unchanged: the session runs up to this
+    # many plain rounds before asking again (plain_hold). Asking costs host time every round (the
+    # rates of every arm, graph-readiness questions: ~90 us at batch 64 on the H200 host), which a
+    # launch-bound plain step pays in full; while plain rounds run, only plain's own round time
+    # changes what choose would answer, and a held round still reports it (held).
+    hold_rounds: int = 16
     max_explore_every: int = 1024  # ... doubling up to this while they change nothing
     estimates: dict[tuple[int, Hashable], Estimate] = field(default_factory=dict)
     # τ is kept per (arm, sampling class): rows decoding at T=1 accept less than greedy ones, so
@@ -312,6 +318,22 @@ class AdaptivePolicy:
             self._next[b] = self.round + self._interval[b]
         self.current[b] = current
         return current
+
+    def plain_hold(self, batch: int) -> int:
+        """Rounds after this one for which plain decoding, just chosen as this batch size's
+        arm, stands without asking (the rows unchanged): at most hold_rounds, and none past the
+        next re-measurement. 0 when the choice was not plain, or was a probe or a first timing
+        (their arm is not the bucket's current one)."""
+        b = bucket(batch)
+        if b not in self.current or self.current[b] is not PLAIN:
+            return 0
+        return max(0, min(self.hold_rounds, self._next.get(b, self.round) - self.round - 1))
+
+    def held(self) -> None:
+        """A round the session ran on a held plain choice (plain_hold) instead of asking: it
+        counts as a choice made in the bucket (re-measurements and staleness count rounds)."""
+        self.round += 1
+        self._bucket_rounds += 1
 
     def _drain_choice(self, b: int, rates: dict, drain: Sequence[tuple[int, float]],
                       is_ready: Callable[[SpecConfig | None], bool]) -> SpecConfig | None:

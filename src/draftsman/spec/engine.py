@@ -105,6 +105,8 @@ class SpecSession(DecodeSession):
         self._front: tuple[int, int, list] = (-1, -1, [])  # (roster, policy round, drain_front) when made
         self.catch_ups, self.catch_up_seconds = 0, 0.0  # the drafter's catch-ups (reports)
         self._plain_drain: tuple[int, int] | None = None  # (roster, batch bucket) draining plainly
+        # (roster, batch bucket, policy round) plain decoding holds until, unasked (plain_hold)
+        self._plain_hold: tuple[int, int, int] = (-1, -1, -1)
         self._mix: tuple[int, list] = (-1, [])  # (roster, the rows' sampling classes) when made
 
     # ---- prefill ------------------------------------------------------------------------
@@ -206,10 +208,16 @@ class SpecSession(DecodeSession):
             events = self._plain_round()[0]
             self._observe_finished(rows)
             return events
-        drain = self._drain()
         classes = self._classes()
-        arm = self.policy.choose(batch, ready=self._captured, drain=drain)
-        self._plain_drain = (self.roster, pow2_ceil(batch)) if self.policy.settled else None
+        roster, bucket_, until = self._plain_hold
+        if roster == self.roster and bucket_ == pow2_ceil(batch) and self.policy.round < until:
+            self.policy.held()  # plain decoding chosen a few rounds ago, the rows unchanged
+            arm = None
+        else:
+            arm = self.policy.choose(batch, ready=self._captured, drain=self._drain())
+            self._plain_drain = (self.roster, pow2_ceil(batch)) if self.policy.settled else None
+            hold = 0 if arm is not None else self.policy.plain_hold(batch)
+            self._plain_hold = (self.roster, pow2_ceil(batch), self.policy.round + hold)
         shape = (arm, pow2_ceil(batch))  # compiled forwards specialize on the padded batch
         compiling = self.compile and shape not in self._compiled_shapes
         self._compiled_shapes.add(shape)
