@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -107,6 +107,14 @@ class SpecSession(DecodeSession):
         self._plain_drain: tuple[int, int] | None = None  # (roster, batch bucket) draining plainly
         # (roster, batch bucket, policy round) plain decoding holds until, unasked (plain_hold)
         self._plain_hold: tuple[int, int, int] = (-1, -1, -1)
+        # Deferred drafter work (adaptive sessions decoding plainly): per request, the
+        # (token, feature) pairs not yet in the drafter's cache, as chunks (tokens [L], features
+        # [L, F], position of the first), run through the drafter only when speculation is next
+        # tried (_prefill_pending); _joining carries a prefill's chunks to _join.
+        self._pending: dict[Hashable, list[tuple[Tensor, Tensor, int]]] = {}
+        self._joining: list[tuple[Tensor, Tensor, int]] | None = None
+        self._d_like: tuple[Tensor, Tensor] | None = None  # the drafter state's row shapes (after one prefill)
+        self.deferred_prefills = self.spills = 0  # (reports)
         self._mix: tuple[int, list] = (-1, [])  # (roster, the rows' sampling classes) when made
 
     # ---- prefill ------------------------------------------------------------------------
@@ -133,7 +141,14 @@ class SpecSession(DecodeSession):
         first = self.sample_next(logits, sampling, bool((sampling["temperature"] == 0).all()))
         # Drafter pairs (x_{i+1}, f_i): the prompt shifted by one, the new token at len-1.
         shifted = torch.cat([ids[:, 1:], ids[:, :1]], 1).scatter(1, last, first[:, None])
-        if staged:
+        if self._d_like is not None and self._lazy(len(self.rows) + b):
+            # Plain decoding is the running batch's choice: the drafter's prefill waits until
+            # speculation is next tried, and rows that finish before never pay it (on CPU the
+            # joins' drafter prefills cost the adaptive arm 0.6-3% against plain decoding).
+            self._joining = [(shifted[i, :k].clone(), feats[i, :k].clone(), 0) for i, k in enumerate(lengths.tolist())]
+            self.deferred_prefills += b
+            d_logits, d_hidden = (x.new_zeros(b, *x.shape[1:]) for x in self._d_like)
+        elif staged:
             # (the uncompiled drafter, as the target's staged prefill: a compiled forward would
             # recompile for every prefill shape)
             out = self.run_step(self.drafter, ("prefill",), self._drafter_step(d_cache, t, self.drafter), [d_cache],
@@ -141,6 +156,7 @@ class SpecSession(DecodeSession):
             d_logits, d_hidden = (x.clone() for x in out)  # graph outputs: they outlive the next replay
         else:
             d_logits, d_hidden = self._extend(d_cache, shifted, feats, positions, lengths - 1, prefill=True)
+        self._d_like = tuple(x.new_empty(0, *x.shape[1:]) for x in (d_logits, d_hidden))
         state = {"n": lengths.clone(), "root": first, "d_logits": d_logits, "d_hidden": d_hidden, **sampling}
         if self.policy is not None:  # (token, feature) pairs of plain rounds, for the drafter
             # (columns: plain rounds since the last catch-up; newcomers' pairs start at this one)
@@ -191,6 +207,65 @@ class SpecSession(DecodeSession):
             self.policy.observe_join(time.perf_counter() - start)
         return events
 
+    def _join(self, rows: list[Request], caches: list[StaticCache], tensors: dict[str, Tensor]) -> None:
+        super()._join(rows, caches, tensors)
+        if self._joining is not None:
+            for row, chunk in zip(rows, self._joining, strict=True):
+                self._pending[row.request_id] = [chunk]
+            self._joining = None
+
+    def _keep(self, keep: list[int]) -> None:
+        super()._keep(keep)
+        if self._pending:
+            live = {r.request_id for r in self.rows}
+            self._pending = {k: v for k, v in self._pending.items() if k in live}
+
+    # ---- deferred drafter work (adaptive sessions) ----------------------------------------
+    def _lazy(self, batch: int) -> bool:
+        """Whether the drafter's work on new pairs waits (joins' prefills, a full backlog): plain
+        decoding is the policy's current choice at this batch size."""
+        return self.policy is not None and self.policy.current.get(pow2_ceil(max(batch, 1)), 0) is None
+
+    def _spill(self) -> None:
+        """A full backlog while plain decoding is the choice: its pairs join the rows' deferred
+        chunks (one device copy per row per BACKLOG rounds) instead of a drafter forward."""
+        st = self.tensors
+        used = self._plain_run
+        for i, (row, n, start) in enumerate(zip(self.rows, st["n"].tolist(), st["bk_start"].tolist(), strict=True)):
+            if start < used:
+                chunk = (st["bk_tokens"][i, start:used].clone(), st["bk_feats"][i, start:used].clone(), n - used + start)
+                self._pending.setdefault(row.request_id, []).append(chunk)
+        st["bk_start"] = torch.zeros_like(st["bk_start"])
+        self._plain_run = 0
+        self.spills += 1
+
+    def _prefill_pending(self) -> None:
+        """Run the drafter over every row's deferred chunks (one eager forward, rows padded to
+        the longest; padding written at slot n, scratch) and take its output at their last pair
+        as the rows' drafter state (a backlog catch-up after it replaces that where it has pairs)."""
+        st, rows = self.tensors, self.rows
+        idx = [i for i, r in enumerate(rows) if r.request_id in self._pending]
+        self._pending, chunks = {}, [self._pending[rows[i].request_id] for i in idx]
+        if not idx:
+            return
+        width = max(sum(len(c[0]) for c in ch) for ch in chunks)
+        b, n = len(rows), st["n"]
+        tokens = torch.zeros(b, width, dtype=torch.long, device=n.device)
+        feats = chunks[0][0][1].new_zeros(b, width, chunks[0][0][1].shape[-1])
+        positions = n[:, None].repeat(1, width)
+        last = torch.zeros_like(n)
+        for i, ch in zip(idx, chunks, strict=True):
+            k = sum(len(c[0]) for c in ch)
+            tokens[i, :k] = torch.cat([c[0] for c in ch])
+            feats[i, :k] = torch.cat([c[1] for c in ch])
+            positions[i, :k] = torch.cat([torch.arange(p, p + len(t), device=n.device) for t, _, p in ch])
+            last[i] = k - 1
+        d_logits, d_hidden = self._extend(self.caches[1], tokens, feats, positions, last, prefill=True)
+        has = torch.zeros(b, 1, dtype=torch.bool, device=n.device)
+        has[idx] = True
+        st["d_logits"] = torch.where(has, d_logits, st["d_logits"])
+        st["d_hidden"] = torch.where(has, d_hidden, st["d_hidden"])
+
     # ---- one round ----------------------------------------------------------------------
     def _round(self) -> list[Event]:
         if self.policy is None:
@@ -203,8 +278,7 @@ class SpecSession(DecodeSession):
             # leaves; the policy is not asked (its choice and readiness questions took ~90 us a
             # round at batch 64 on the H200 host, results/h200_adaptive_overhead_session13.json).
             self._set_spans(plain=True)
-            if self._catch_up_due(None):
-                self._timed_catch_up()
+            self._drafter_before(None)
             events = self._plain_round()[0]
             self._observe_finished(rows)
             return events
@@ -224,18 +298,18 @@ class SpecSession(DecodeSession):
         if arm is not None:
             self.spec = arm
         self._set_spans(plain=arm is None)
-        if self._catch_up_due(arm):
-            # The drafter's catch-up over the plain rounds' pairs is the switch's one-off cost,
-            # not the arm's: timed with the round, it made every re-measurement after a plain
-            # stretch look slow (reference pair on CPU, batch 1: a chain round measured 51 ms
-            # after plain rounds, 41 ms after another chain round; 44 and 43 ms with the
-            # catch-up outside the clock). Synced so the round's clock is its own. During long
-            # plain stretches it runs whenever the backlog is full (one drafter forward per
-            # BACKLOG plain rounds), so no pair is ever dropped: a drafter missing older pairs
-            # attends over unwritten slots for the rest of the request, and every probe of
-            # speculation after a long plain stretch then measured a low τ (on the H200 at
-            # batch 1, τ 1.8-2.3 against 3.2-3.9 for the same arms run throughout).
-            self._timed_catch_up()
+        # The drafter's catch-up over the plain rounds' pairs is the switch's one-off cost,
+        # not the arm's: timed with the round, it made every re-measurement after a plain
+        # stretch look slow (reference pair on CPU, batch 1: a chain round measured 51 ms
+        # after plain rounds, 41 ms after another chain round; 44 and 43 ms with the
+        # catch-up outside the clock). Synced so the round's clock is its own. No pair is ever
+        # dropped: a full backlog is caught up, or spilled into the rows' deferred chunks while
+        # plain decoding is the choice (_drafter_before), and deferred chunks reach the drafter
+        # before speculation. A drafter missing older pairs attends over unwritten slots for
+        # the rest of the request, and every probe of speculation after a long plain stretch
+        # then measured a low τ (on the H200 at batch 1, τ 1.8-2.3 against 3.2-3.9 for the
+        # same arms run throughout).
+        self._drafter_before(arm)
         before = captures(self.target, self.drafter)
         start = time.perf_counter()
         events, accepted = self._plain_round() if arm is None else self._spec_round()
@@ -267,10 +341,23 @@ class SpecSession(DecodeSession):
             if row.state.done:
                 self.policy.observe_finished(row)
 
+    def _drafter_before(self, arm: SpecConfig | None) -> None:
+        """The drafter's work a round of `arm` starts with: before speculation, its deferred
+        chunks and backlog; before a plain round with a full backlog, a spill where plain
+        decoding is the choice (_lazy), else a catch-up."""
+        if self._catch_up_due(arm) or (arm is not None and self._pending):
+            self._timed_catch_up()
+        elif arm is None and self._plain_run >= BACKLOG:
+            self._spill()
+
     def _timed_catch_up(self) -> None:
-        """_catch_up, synced, counted and timed for reports (catch_ups, catch_up_seconds)."""
+        """The drafter's deferred chunks (if any) and backlog catch-up, synced, counted and timed
+        for reports (catch_ups, catch_up_seconds)."""
         start = time.perf_counter()
-        self._catch_up()
+        if self._pending:
+            self._prefill_pending()
+        if self._plain_run > 0:
+            self._catch_up()
         sync(self.device)
         self.catch_ups += 1
         self.catch_up_seconds += time.perf_counter() - start
@@ -300,7 +387,7 @@ class SpecSession(DecodeSession):
     def _catch_up_due(self, arm: SpecConfig | None) -> bool:
         """Whether a round of `arm` now starts with the drafter's catch-up: before speculation
         after plain rounds, and before a plain round when the backlog is full."""
-        return self._plain_run > 0 and (arm is not None or self._plain_run >= BACKLOG)
+        return self._plain_run > 0 and (arm is not None or (self._plain_run >= BACKLOG and not self._lazy(len(self.rows))))
 
     def _captured(self, arm: SpecConfig | None) -> bool:
         """Whether a round of `arm` now would replay CUDA graphs captured before (a capture costs
