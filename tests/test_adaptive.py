@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 import torch
+from helpers import Scripted, deferred_vs_eager, mean_accepted
 
 import draftsman
 from draftsman.generate import StopRules
@@ -344,23 +345,6 @@ def test_one_large_round_does_not_swing_tau():
     assert policy.taus[CHAIN, None] == pytest.approx(4 - 0.2 * 3)
 
 
-class Scripted(AdaptivePolicy):
-    """A policy that follows a fixed schedule (None = plain round), then repeats its last arm;
-    it records what each round accepted."""
-
-    def __init__(self, schedule):
-        super().__init__([CHAIN, TREE])
-        self.schedule = list(schedule)
-        self.log: list[tuple] = []
-
-    def choose(self, batch, ready=None, drain=None):
-        self.round += 1
-        return self.schedule[min(self.round, len(self.schedule)) - 1]
-
-    def observe(self, arm, batch, seconds, accepted, classes=None):
-        self.log.append((arm, list(accepted)))
-
-
 @pytest.fixture(scope="module")
 def pair():
     target, drafter = draftsman.reference_pair()
@@ -371,10 +355,6 @@ def pair():
 def prompts():
     tok = load_tokenizer(TARGET_DIR)
     return [encode_prompt(tok, t, chat=True) for t in ("Write a haiku about rain.", "What is 7 times 8?")]
-
-
-def mean_accepted(log, rounds):
-    return sum(sum(log[i][1]) / len(log[i][1]) for i in rounds) / len(rounds)
 
 
 @pytest.mark.parametrize("static", [False, True])
@@ -400,57 +380,12 @@ def test_switching_session_is_lossless_and_the_drafter_catches_up(pair, static):
     assert mean_accepted(policy.log, range(8, 12)) > 0.6 * mean_accepted(always.log, range(3, 12))
 
 
-class ScriptedCurrent(Scripted):
-    """Scripted, with each choice made the bucket's current arm (plain from the start), as the
-    real policy's are: the session then defers the drafter's work while plain is the choice."""
-
-    def __init__(self, schedule):
-        super().__init__(schedule)
-        self.current = {1: PLAIN, 2: PLAIN}
-
-    def choose(self, batch, ready=None, drain=None):
-        arm = super().choose(batch, ready, drain)
-        self.current[bucket(batch)] = arm
-        return arm
-
-
 @pytest.mark.parametrize("static", [False, True])
 def test_deferred_drafter_work_reaches_the_drafter_before_speculation(pair, static):
     """With plain decoding the choice, joins skip the drafter's prefill and a full backlog is
-    spilled rather than run; when speculation resumes the drafter runs over all of it first, so
-    the chain accepts what it accepts after the same plain stretch with nothing deferred."""
-    target, drafter = pair
-    rules = StopRules(max_new_tokens=120)
-    greedy = SamplingParams(temperature=0.0)
-    plain = [r.state.tokens for r in run_to_completion(PlainSession(target, 180), prompts(), rules, greedy)]
-    schedule = [None] * (BACKLOG + 10) + [CHAIN] * 8 + [None] * 5 + [CHAIN] * 8
-    runs, states = {}, {}
-    for policy in (Scripted(schedule), ScriptedCurrent(schedule)):
-        session = SpecSession(target, drafter, None, 180, policy=policy)
-        session.static = static
-        requests = [Request(i, p, rules, greedy) for i, p in enumerate(prompts())]
-        for r in requests:  # (a session's first prefill is never deferred: it learns the drafter's shapes)
-            session.add([r])
-        session.waiting = 0
-        while session.num_running:
-            session.step()
-            if policy.round == BACKLOG + 11:  # after the first chain round: the drafter's cache
-                n = session.tensors["n"].tolist()
-                states[type(policy).__name__] = [{k: v[:, i, :n[i]].clone() for k, v in session.caches[1].buffers.items()}
-                                                 for i in range(len(n))]
-        assert [r.state.tokens for r in requests] == plain
-        runs[type(policy).__name__] = session, policy.log
-    (eager, eager_log), (lazy, lazy_log) = runs["Scripted"], runs["ScriptedCurrent"]
-    for mine, theirs in zip(states["ScriptedCurrent"], states["Scripted"], strict=True):  # the same pairs, same slots
-        for k in theirs:
-            torch.testing.assert_close(mine[k], theirs[k], atol=1e-4, rtol=1e-4)
-    assert (eager.deferred_prefills, eager.spills) == (0, 0)
-    assert lazy.deferred_prefills == 1 and lazy.spills == 1
-    chain = range(BACKLOG + 10, BACKLOG + 18)
-    assert mean_accepted(eager_log, chain) > 1.5  # (a drafter missing the deferred pairs accepts ~nothing)
-    assert abs(mean_accepted(lazy_log, chain) - mean_accepted(eager_log, chain)) <= 0.2 * mean_accepted(eager_log, chain)
-    later = range(BACKLOG + 23, min(len(eager_log), len(lazy_log)))  # (after 5 more plain rounds)
-    assert len(later) >= 2 and mean_accepted(lazy_log, later) > 0.6 * mean_accepted(eager_log, later)
+    spilled rather than run; when speculation resumes the drafter runs over all of it first: its
+    cache then holds what it holds with nothing deferred, and the chain accepts as much."""
+    deferred_vs_eager(*pair, prompts(), device="cpu", static=static)
 
 
 def test_adaptive_session_with_the_real_policy_matches_plain(pair):

@@ -303,3 +303,17 @@ def test_full_span_sessions_capture_one_graph_per_batch_bucket():
         run_to_completion(session, prompts(1), StopRules(max_new_tokens=280), SamplingParams(temperature=0.0))
         keys.append([k for k in table.runners if k[0][0] == "decode"])
     assert len(keys[0]) == 1 and len(keys[1]) >= 3
+
+
+@pytest.mark.gpu
+@gpu
+def test_deferred_drafter_work_on_cuda_matches_the_eager_drafter():
+    """tests/test_adaptive's deferred-drafter check on the GPU (fp32, graphed rounds): joins
+    without the drafter's prefill and a spilled backlog, run through the drafter before the
+    first chain round, leave its cache as a session that deferred nothing leaves it."""
+    from helpers import deferred_vs_eager
+
+    target_dir, drafter_dir = draftsman.reference_pair()
+    target = draftsman.load_target(target_dir, device="cuda")
+    drafter = draftsman.load_drafter(drafter_dir, target=target, device="cuda", inference=True)
+    deferred_vs_eager(target, drafter, prompts(), device="cuda")
