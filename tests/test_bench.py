@@ -150,6 +150,8 @@ def test_adaptive_arm_is_lossless_and_reports_its_choices(pair):
     assert adaptive["spec_rounds"] + adaptive["plain_rounds"] > 0
     assert arms["spec-s2-k1-n3"]["plain_rounds"] == 0 and arms["spec-s2-k1-n3"]["spec_rounds"] > 0
     assert arms["plain"]["spec_rounds"] is None
+    assert all(isinstance(adaptive[k], int) and adaptive[k] >= 0 for k in ("catch_ups", "deferred_prefills", "spills"))
+    assert arms["spec-s2-k1-n3"]["deferred_prefills"] is None
     assert result["adaptive_speedup"] == adaptive["speedup"]
     best_fixed = max(arms[a]["tokens_per_s"] for a in ("spec-s2-k1-n3", "spec-s2-k2-n7"))
     assert result["adaptive_vs_best_fixed"] == pytest.approx(adaptive["tokens_per_s"] / best_fixed)

@@ -176,7 +176,8 @@ ARM_DEFAULTS = NO_ACCEPTANCE | {
     "weight_bytes_per_step": None, "decode_step_ms": None, "weight_bandwidth_gb_s": None,
     "bandwidth_fraction": None, "url": None, "adaptive": None, "graph_captures": None, "warmup_passes": None,
     "session_steps": None, "time_in_steps_s": None, "joins": None, "time_in_joins_s": None, "time_elsewhere_s": None,
-    "durations_s": None, "catch_ups": None, "catch_up_s": None, "spec_rounds": None, "plain_rounds": None,
+    "durations_s": None, "catch_ups": None, "catch_up_s": None, "deferred_prefills": None, "spills": None,
+    "spec_rounds": None, "plain_rounds": None,
 }
 
 ADAPTIVE = "adaptive"  # the arm whose sessions pick a speculation shape (or none) per round
@@ -563,11 +564,10 @@ def bench_in_process(target, drafter, specs: Sequence[SpecConfig], workload: Wor
                 if i not in sessions:
                     sessions[i] = _warm_session(target, drafter, order[i], specs, workload, bs)
                 session = sessions[i][0]
-                before, catch_ups = captures(target, drafter), _catch_ups(session)
+                before, drafter_work = captures(target, drafter), _drafter_work(session)
                 run = drive_session(session, _requests(workload.prompts, workload), bs, on_finish)
-                after = _catch_ups(session)
-                runs[i].append((run, captures(target, drafter) - before, after[0] - catch_ups[0],
-                                after[1] - catch_ups[1]))
+                after = _drafter_work(session)
+                runs[i].append((run, captures(target, drafter) - before, {k: after[k] - drafter_work[k] for k in after}))
                 if not live:
                     results[i] = _arm_result(order[i], specs, bs, runs[i], sessions.pop(i), copy_bandwidth, target)
         if live:
@@ -583,9 +583,14 @@ def bench_in_process(target, drafter, specs: Sequence[SpecConfig], workload: Wor
     return arms
 
 
-def _catch_ups(session: DecodeSession) -> tuple[int, float]:
-    """An adaptive session's catch-ups so far and their seconds ((0, 0.0) for other sessions)."""
-    return getattr(session, "catch_ups", 0), getattr(session, "catch_up_seconds", 0.0)
+DRAFTER_WORK = {"catch_ups": "catch_ups", "catch_up_s": "catch_up_seconds", "deferred_prefills": "deferred_prefills",
+                "spills": "spills"}
+
+
+def _drafter_work(session: DecodeSession) -> dict:
+    """An adaptive session's counters of the drafter's work around plain rounds so far: catch-ups
+    and their seconds, prefills deferred, backlogs spilled (zeros for other sessions)."""
+    return {k: getattr(session, attr, 0) for k, attr in DRAFTER_WORK.items()}
 
 
 def _warm_session(target, drafter, spec, specs: Sequence[SpecConfig], workload: Workload, bs: int) -> tuple:
@@ -600,7 +605,7 @@ def _arm_result(spec, specs: Sequence[SpecConfig], bs: int, runs: list, made: tu
     (session, warm-up passes); `_outputs` holds that run's outputs for bench_in_process."""
     session, passes = made
     ranked = sorted(runs, key=lambda r: r[0].duration_s)
-    run, _, catch_ups, catch_up_s = ranked[(len(ranked) - 1) // 2]
+    run, _, drafter_work = ranked[(len(ranked) - 1) // 2]
     arm = {"arm": arm_name(spec), "kind": "plain" if spec is None else "spec",
            "spec": spec_dict(spec, specs), "batch_size": bs, **latency_summary(run.traces, run.duration_s),
            "graph_captures": sum(r[1] for r in runs), "warmup_passes": passes, **time_split(run),
@@ -616,8 +621,9 @@ def _arm_result(spec, specs: Sequence[SpecConfig], bs: int, runs: list, made: tu
         if spec == ADAPTIVE:  # rounds mix shapes (and plain rounds): no single drafted count
             arm["draft_tokens"] = None
             arm["adaptive"] = session.policy.summary()
-            # the drafter's catch-ups after plain rounds in the reported run (in its steps' time)
-            arm["catch_ups"], arm["catch_up_s"] = catch_ups, catch_up_s
+            # the drafter's work around plain rounds in the reported run: catch-ups (in its steps'
+            # time), joins whose drafter prefill was deferred, backlogs spilled
+            arm |= drafter_work
     arm["finish_reasons"] = count_reasons(run.traces)
     arm["_outputs"] = [t.output for t in run.traces]
     return with_defaults(arm)

@@ -95,7 +95,13 @@ Output: a table, and with --json one JSON object as the last stdout line. Top-le
                         the one of median duration)
     catch_ups, catch_up_s
                         spec-adaptive: the drafter's catch-ups after plain rounds in the
-                        reported run, and their seconds (part of its steps' time)
+                        reported run (over the backlog and any deferred pairs), and their
+                        seconds (part of its steps' time)
+    deferred_prefills, spills
+                        spec-adaptive: requests that joined while plain decoding was the
+                        choice, their drafter prefill deferred (run at the next speculative
+                        round, or never if they finish first), and full backlogs of plain
+                        rounds' pairs kept for later rather than run through the drafter
     spec_rounds, plain_rounds
                         speculative arms: rounds that decoded a request speculatively / plainly,
                         summed over the reported run's requests (plain rounds: spec-adaptive only)
