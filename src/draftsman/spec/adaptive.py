@@ -95,7 +95,10 @@ class Estimate:
     recent: deque = field(default_factory=deque)  # the last timed rounds' seconds (maxlen: the window)
     rounds: int = 0  # rounds observed, timed or not
     last_seen: int = -1  # policy round counter at the last observation
-    join_seconds: float = 0.0  # running mean per round of joins that followed this arm's rounds
+    # Joins that followed this arm's rounds: their seconds and the rounds, both decayed by
+    # join_decay per round of the arm (AdaptivePolicy.join_seconds)
+    join_sum: float = 0.0
+    join_rounds: float = 0.0
     untimed: int = 0  # rounds that reported no time (they captured a CUDA graph or compiled)
     total: float = 0.0  # seconds of all timed rounds (reports)
 
@@ -142,7 +145,15 @@ class AdaptivePolicy:
     # each, and ran at 0.68x of plain where its best arm alone ran at 1.30x.
     capture_alpha: float = 0.3  # weight of one capture in the running mean of capture costs
     capture_seconds: float | None = None  # that mean (None until a capture is reported)
-    join_alpha: float = 0.05  # weight of one round in its arm's running join time per round
+    # An arm's join time per round: the joins that followed its rounds over those rounds, older
+    # rounds decayed by join_decay each, and join_prior rounds at the bucket's rate (every arm's
+    # joins) added, so an arm with few rounds is not taken to cost no joins. A join is rare and
+    # large (a wave of 16 newcomers after plain rounds: ~20 ms against 1.3 ms rounds on the
+    # H100), and the running mean per round this replaces (weight 0.05) swung plain decoding's
+    # rate between 790 and 210 tokens/s per row at batch 16 with every wave, handing rounds to
+    # speculation that lost (results/h100_adaptive28.json).
+    join_decay: float = 0.995
+    join_prior: float = 32.0
     # Draining (module docstring): a row's relative acceptance is its own, shrunk towards the
     # presumed low by this many accepted drafts' worth of evidence (a row's first rounds are noisy).
     drain_prior: float = 16.0
@@ -152,7 +163,7 @@ class AdaptivePolicy:
     # many plain rounds before asking again (plain_hold). Asking costs host time every round (the
     # rates of every arm, graph-readiness questions: ~90 us at batch 64 on the H200 host), which a
     # launch-bound plain step pays in full; while plain rounds run, only plain's own round time
-    # changes what choose would answer, and a held round still reports it (held).
+    # changes what choose would answer, and the round that asks again times it.
     hold_rounds: int = 16
     max_explore_every: int = 1024  # ... doubling up to this while they change nothing
     estimates: dict[tuple[int, Hashable], Estimate] = field(default_factory=dict)
@@ -173,6 +184,7 @@ class AdaptivePolicy:
     _probed: dict[int, SpecConfig | None] = field(default_factory=dict)  # choice before a re-measurement
     _last: tuple[int, Hashable] | None = None  # (bucket, arm) of the last round observed
     _joined: float = 0.0  # seconds of joins since that round
+    _bucket_joins: dict[int, list[float]] = field(default_factory=dict)  # per bucket: decayed [seconds, rounds]
     _bucket: int = 0  # bucket of the last choice ...
     _bucket_rounds: int = 0  # ... and the choices in a row made in it
     _bucket_seconds: float = 0.0  # ... and the seconds of its rounds observed since (captures included)
@@ -196,7 +208,25 @@ class AdaptivePolicy:
         """Measured tokens per second per row of `arm` at this batch size (joins included), or
         None."""
         e, tau = self.estimate(arm, batch), self.tau(arm)
-        return None if e.seconds is None or tau is None else tau / (e.seconds + e.join_seconds)
+        return None if e.seconds is None or tau is None else tau / (e.seconds + self.join_seconds(arm, batch))
+
+    def join_seconds(self, arm: SpecConfig | None, batch: int) -> float:
+        """Seconds of joins per round of `arm` at this batch size (join_decay, join_prior)."""
+        e = self.estimate(arm, batch)
+        total, rounds = self._bucket_joins.get(bucket(batch), (0.0, 0.0))
+        prior = total / rounds if rounds else 0.0
+        weight = e.join_rounds + self.join_prior
+        return (e.join_sum + self.join_prior * prior) / weight if weight else 0.0
+
+    def _charge_joins(self) -> None:
+        """The joins since the last round observed, to that round's arm and bucket."""
+        if self._last is None:
+            return
+        d, e = self.join_decay, self.estimate(self._last[1], self._last[0])
+        e.join_sum, e.join_rounds = e.join_sum * d + self._joined, e.join_rounds * d + 1
+        b = self._bucket_joins.setdefault(self._last[0], [0.0, 0.0])
+        b[0], b[1] = b[0] * d + self._joined, b[1] * d + 1
+        self._joined = 0.0
 
     def set_mix(self, classes: Sequence[Hashable]) -> None:
         """The running rows' sampling classes (sampling_class: their temperatures), one per row;
@@ -240,7 +270,7 @@ class AdaptivePolicy:
         here, there = self.estimates.get((b, PLAIN)), self.estimates.get((near, PLAIN))
         if arm is not PLAIN and here and there and here.seconds and there.seconds:
             scale = here.seconds / there.seconds
-        return tau / (e.seconds * scale + (e.join_seconds if joins else 0.0))
+        return tau / (e.seconds * scale + (self.join_seconds(arm, near) if joins else 0.0))
 
     def _drain_rate(self, arm: SpecConfig | None, batch: int) -> float | None:
         """Tokens per second per row of `arm` at this batch size without joins (own or borrowed)."""
@@ -331,9 +361,12 @@ class AdaptivePolicy:
 
     def held(self) -> None:
         """A round the session ran on a held plain choice (plain_hold) instead of asking: it
-        counts as a choice made in the bucket (re-measurements and staleness count rounds)."""
+        counts as a choice made in the bucket (re-measurements and staleness count rounds) and as a
+        plain round that joins may follow; its time is not observed."""
         self.round += 1
         self._bucket_rounds += 1
+        self._charge_joins()
+        self._last = (self._bucket, PLAIN)
 
     def _drain_choice(self, b: int, rates: dict, drain: Sequence[tuple[int, float]],
                       is_ready: Callable[[SpecConfig | None], bool]) -> SpecConfig | None:
@@ -409,10 +442,8 @@ class AdaptivePolicy:
         """One round of `arm` over `batch` rows took `seconds` (None: not representative, e.g. it
         captured a CUDA graph) and accepted `accepted[i]` drafts in row i (all 0 for plain
         rounds); classes[i]: row i's sampling class (None: one class for every row)."""
-        if self._last is not None:  # joins since the last round: its arm's
-            last = self.estimates[self._last]
-            last.join_seconds += self.join_alpha * (self._joined - last.join_seconds)
-        self._last, self._joined = (bucket(batch), arm), 0.0
+        self._charge_joins()  # joins since the last round: its arm's
+        self._last = (bucket(batch), arm)
         e = self.estimate(arm, batch)
         e.rounds += 1
         e.untimed += seconds is None
@@ -451,7 +482,7 @@ class AdaptivePolicy:
         out = []
         for (b, arm), e in sorted(self.estimates.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
             out.append({"batch_bucket": b, "arm": arm_label(arm), "round_ms": None if e.seconds is None
-                        else e.seconds * 1e3, "join_ms_per_round": e.join_seconds * 1e3,
+                        else e.seconds * 1e3, "join_ms_per_round": self.join_seconds(arm, b) * 1e3,
                         "tau": self.tau(arm), "rounds": e.rounds,
                         "untimed_rounds": e.untimed, "timed_s": e.total,
                         "chosen": self.current.get(b, "?") == arm})

@@ -223,8 +223,11 @@ class SpecSession(DecodeSession):
     # ---- deferred drafter work (adaptive sessions) ----------------------------------------
     def _lazy(self, batch: int) -> bool:
         """Whether the drafter's work on new pairs waits (joins' prefills, a full backlog): plain
-        decoding is the policy's current choice at this batch size."""
-        return self.policy is not None and self.policy.current.get(pow2_ceil(max(batch, 1)), 0) is None
+        decoding is the policy's current choice at this batch size. Not in graphed sessions: their
+        joins' drafter prefill is a staged graph replay (deferring it saved nothing on the H100),
+        while the deferred chunks' eager forward, a new shape each time, took 0.7 s apiece there
+        (results/h100_adaptive28.json)."""
+        return self.policy is not None and not self.graphed and self.policy.current.get(pow2_ceil(max(batch, 1)), 0) is None
 
     def _spill(self) -> None:
         """A full backlog while plain decoding is the choice: its pairs join the rows' deferred
@@ -282,16 +285,23 @@ class SpecSession(DecodeSession):
             events = self._plain_round()[0]
             self._observe_finished(rows)
             return events
-        classes = self._classes()
         roster, bucket_, until = self._plain_hold
         if roster == self.roster and bucket_ == pow2_ceil(batch) and self.policy.round < until:
-            self.policy.held()  # plain decoding chosen a few rounds ago, the rows unchanged
-            arm = None
-        else:
-            arm = self.policy.choose(batch, ready=self._captured, drain=self._drain())
-            self._plain_drain = (self.roster, pow2_ceil(batch)) if self.policy.settled else None
-            hold = 0 if arm is not None else self.policy.plain_hold(batch)
-            self._plain_hold = (self.roster, pow2_ceil(batch), self.policy.round + hold)
+            # Plain decoding chosen a few rounds ago, the rows unchanged (so their mix, spans'
+            # shapes and graphs too): the round runs as the drain's does, untimed (on the H100
+            # the adaptive arm's plain rounds took 35-56 us longer than plain decoding's steps,
+            # 4-6% of a 0.9 ms step).
+            self.policy.held()
+            self._set_spans(plain=True)
+            self._drafter_before(None)
+            events = self._plain_round()[0]
+            self._observe_finished(rows)
+            return events
+        classes = self._classes()
+        arm = self.policy.choose(batch, ready=self._captured, drain=self._drain())
+        self._plain_drain = (self.roster, pow2_ceil(batch)) if self.policy.settled else None
+        hold = 0 if arm is not None else self.policy.plain_hold(batch)
+        self._plain_hold = (self.roster, pow2_ceil(batch), self.policy.round + hold)
         shape = (arm, pow2_ceil(batch))  # compiled forwards specialize on the padded batch
         compiling = self.compile and shape not in self._compiled_shapes
         self._compiled_shapes.add(shape)
