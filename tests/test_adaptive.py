@@ -319,28 +319,25 @@ def test_speculation_must_beat_plain_by_the_plain_margin():
     assert feed(policy, 64, {PLAIN: 1.0, CHAIN: 2.5}, taus, 10)[2:] == [CHAIN] * 8  # 20% faster
 
 
-def test_joins_are_charged_to_the_arm_of_the_round_before():
-    """Speculation staggers when rows finish, so a continuous batch refills after more of its
-    rounds: the join time per round counts in the arm's rate (the H200 case: rounds 1.24x
-    faster than plain steps, but twice the joins, and the run 0.85x)."""
-    policy = AdaptivePolicy([CHAIN], explore_every=1000, window=1, tau_alpha=1.0, join_prior=0.0,
-                            join_decay=1.0, plain_margin=0.0)
-    feed(policy, 16, {PLAIN: 1.0, CHAIN: 2.0}, {PLAIN: 1, CHAIN: 3}, 3)
-    assert policy.choose(16) == CHAIN  # 1.5 tokens per unit of time against 1.0
-    chain_rounds = policy.estimate(CHAIN, 16).rounds
-    for _ in range(3 * chain_rounds):  # a join after each of the next chain rounds ...
-        policy.observe(CHAIN, 16, 2.0, [2] * 16)
-        policy.observe_join(4.0)
-    policy.observe(CHAIN, 16, 2.0, [2] * 16)
-    assert policy.join_seconds(CHAIN, 16) == 4.0 * 3 / 4 and policy.rate(CHAIN, 16) == 3 / 5
-    assert policy.choose(16) is PLAIN  # ... makes it lose: 3 / (2 + 3) < 1
-    assert policy.summary()[1]["join_ms_per_round"] == 3000.0
+def test_joins_cost_per_token_decoded_whatever_the_arm():
+    """A join prefills requests, work per request and so per token decoded, whatever arm decoded
+    it: the bucket's join seconds per row-token, times an arm's τ, is its join time per round.
+    (Charged to the arm of the round before, the many small joins speculation's staggered
+    finishes bring landed on plain rounds run between them.)"""
+    policy = AdaptivePolicy([CHAIN], explore_every=1000, window=1, tau_alpha=1.0, join_decay=1.0,
+                            plain_margin=0.0)
+    assert feed(policy, 16, {PLAIN: 1.0, CHAIN: 2.0}, {PLAIN: 1, CHAIN: 3}, 3) == [PLAIN, CHAIN, CHAIN]
+    policy.observe_join(7.0)  # 7 s of joins after rounds that decoded 1 + 3 + 3 tokens per row ...
+    policy.observe(CHAIN, 16, 2.0, [2] * 16)  # ... and 3 more: 0.7 s per token
+    assert policy.join_seconds(PLAIN, 16) == pytest.approx(0.7)
+    assert policy.join_seconds(CHAIN, 16) == pytest.approx(2.1)
+    assert policy.rate(CHAIN, 16) == pytest.approx(3 / 4.1) and policy.rate(PLAIN, 16) == pytest.approx(1 / 1.7)
+    assert policy.summary()[1]["join_ms_per_round"] == pytest.approx(2100.0)
 
 
-def test_join_time_is_a_long_mean_that_starts_from_the_buckets():
-    """A join is rare and large (a wave of newcomers after rows that finished together): an
-    arm's join time per round is a long mean, not swung by each join, and an arm with few rounds
-    starts from the bucket's (join_prior), not from none."""
+def test_join_time_is_a_long_mean():
+    """A join is rare and large (a wave of newcomers after rows that finished together): the
+    join time per token is a long decayed mean, not swung by each join."""
     policy = AdaptivePolicy([CHAIN], explore_every=1000, window=1, tau_alpha=1.0)
     for i in range(320):  # plain: a 32 s join every 32 rounds (1 s a round on average)
         policy.observe(PLAIN, 16, 1.0, [0] * 16)
@@ -349,21 +346,21 @@ def test_join_time_is_a_long_mean_that_starts_from_the_buckets():
             policy.observe(PLAIN, 16, 1.0, [0] * 16)
             assert 0.8 < policy.join_seconds(PLAIN, 16) < 1.25  # (right after a join: no swing)
     assert 0.85 < policy.join_seconds(PLAIN, 16) < 1.15  # (a mean per round of 0.05 weight: 1.6 or more)
-    policy.observe(CHAIN, 16, 2.0, [2] * 16)  # one chain round, no join after it yet
-    assert policy.join_seconds(CHAIN, 16) == pytest.approx(policy.join_seconds(PLAIN, 16), rel=0.05)
+    policy.observe(CHAIN, 16, 2.0, [2] * 16)
+    assert policy.join_seconds(CHAIN, 16) == pytest.approx(3 * policy.join_seconds(PLAIN, 16))
 
 
 def test_held_plain_rounds_count_for_joins():
-    """Rounds run on a held plain choice (plain_hold) are plain rounds that joins follow: a join
-    during a hold is spread over them, not charged to the one timed round before it."""
-    policy = AdaptivePolicy([CHAIN], explore_every=1000, join_prior=0.0, join_decay=1.0)
+    """Rounds run on a held plain choice (plain_hold) decode a token per row each: a join during
+    a hold is spread over them too."""
+    policy = AdaptivePolicy([CHAIN], explore_every=1000, join_decay=1.0)
     policy.choose(16)
     policy.observe(PLAIN, 16, 1.0, [0] * 16)
     for _ in range(15):
         policy.held()
     policy.observe_join(16.0)
     policy.held()
-    assert policy.join_seconds(PLAIN, 16) == 1.0  # 16 s over 16 plain rounds
+    assert policy.join_seconds(PLAIN, 16) == pytest.approx(16 / 17)  # 16 s over 17 plain rounds
 
 
 def test_one_large_round_does_not_swing_tau():
@@ -732,10 +729,9 @@ def test_draining_batches_choose_by_when_the_slowest_row_finishes():
     # a bucket where nothing was timed: no round spent timing there, rates borrowed from 64
     assert policy.choose(8, drain=slow) is PLAIN
     assert policy.estimate(TREE, 8).rounds == 0
-    # joins cost speculation 1.0 a round here (so it loses per round), but none come while draining
-    for arm in (TREE, CHAIN):
-        e = policy.estimate(arm, 64)
-        e.join_sum, e.join_rounds = 1.0 * (e.join_rounds + policy.join_prior), e.join_rounds
+    # joins of 3.0 per token decoded here: they dominate every arm's time per token, so
+    # speculation's plain_margin makes it lose per round; but none come while draining
+    policy._bucket_joins[64] = [3.0, 1.0]
     assert policy.choose(64) is PLAIN and policy.choose(64, drain=alike) == TREE
 
 

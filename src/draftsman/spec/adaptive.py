@@ -34,12 +34,16 @@ to one decimal, `sampling_class`), the session tells the policy its rows' classe
 run at is measured (one round) rather than guessed from another's, and traffic that changes
 temperature back and forth finds each class's τ where it left it.
 
-Rounds are not the whole cost of an arm. Newcomers join the batch between rounds (a prefill),
-and speculation staggers when rows finish, so a continuous batch refills more often in smaller
-groups (measured on the H200 with the reference pair at batch 16: 38 joins against plain's 19,
-18 ms each, turning 1.24x faster rounds into a 0.85x run). The session reports each join made
-while rows were decoding; its time is charged to the arm of the round before it, as a running
-mean per round of that arm, and an arm's rate is τ / (round time + join time per round). And
+Rounds are not the whole cost of an arm. Newcomers join the batch between rounds (a prefill):
+that work is per request, so per token decoded, whatever arm decoded it. The session reports
+each join made while rows were decoding; the bucket's join time per row-token (a long decayed
+mean over every round) is added to each arm's time per token, and an arm's rate is
+τ / (round time + τ x join time per token). Charging each join to the arm of the round before
+it (kept until session 18) was contaminated wherever arms mix: speculation staggers when rows
+finish, and the many small joins that follow landed on the plain rounds run between them (on
+the H100 at batch 16, plain's join time read 1.0 ms a round against 0.2 ms in a plain run, and
+the policy speculated at 0.5x; results/h100_adaptive28.json). What staggering costs beyond the
+same requests' prefills falls in plain_margin. And
 speculation must beat plain decoding by `plain_margin` before the policy speculates: costs no
 estimate sees (the drafter's catch-up after plain stretches, re-measurements, a batch's slow
 tail when rows finish apart) fall on speculation.
@@ -95,10 +99,6 @@ class Estimate:
     recent: deque = field(default_factory=deque)  # the last timed rounds' seconds (maxlen: the window)
     rounds: int = 0  # rounds observed, timed or not
     last_seen: int = -1  # policy round counter at the last observation
-    # Joins that followed this arm's rounds: their seconds and the rounds, both decayed by
-    # join_decay per round of the arm (AdaptivePolicy.join_seconds)
-    join_sum: float = 0.0
-    join_rounds: float = 0.0
     untimed: int = 0  # rounds that reported no time (they captured a CUDA graph or compiled)
     total: float = 0.0  # seconds of all timed rounds (reports)
 
@@ -145,15 +145,10 @@ class AdaptivePolicy:
     # each, and ran at 0.68x of plain where its best arm alone ran at 1.30x.
     capture_alpha: float = 0.3  # weight of one capture in the running mean of capture costs
     capture_seconds: float | None = None  # that mean (None until a capture is reported)
-    # An arm's join time per round: the joins that followed its rounds over those rounds, older
-    # rounds decayed by join_decay each, and join_prior rounds at the bucket's rate (every arm's
-    # joins) added, so an arm with few rounds is not taken to cost no joins. A join is rare and
-    # large (a wave of 16 newcomers after plain rounds: ~20 ms against 1.3 ms rounds on the
-    # H100), and the running mean per round this replaces (weight 0.05) swung plain decoding's
-    # rate between 790 and 210 tokens/s per row at batch 16 with every wave, handing rounds to
-    # speculation that lost (results/h100_adaptive28.json).
+    # The bucket's join time per row-token: joins' seconds over the tokens per row decoded, each
+    # round's share decayed by join_decay per round after it (a join is rare and large: a wave
+    # of 16 newcomers ~20 ms against 1.3 ms rounds on the H100).
     join_decay: float = 0.995
-    join_prior: float = 32.0
     # Draining (module docstring): a row's relative acceptance is its own, shrunk towards the
     # presumed low by this many accepted drafts' worth of evidence (a row's first rounds are noisy).
     drain_prior: float = 16.0
@@ -184,7 +179,7 @@ class AdaptivePolicy:
     _probed: dict[int, SpecConfig | None] = field(default_factory=dict)  # choice before a re-measurement
     _last: tuple[int, Hashable] | None = None  # (bucket, arm) of the last round observed
     _joined: float = 0.0  # seconds of joins since that round
-    _bucket_joins: dict[int, list[float]] = field(default_factory=dict)  # per bucket: decayed [seconds, rounds]
+    _bucket_joins: dict[int, list[float]] = field(default_factory=dict)  # per bucket: decayed [seconds, row-tokens]
     _bucket: int = 0  # bucket of the last choice ...
     _bucket_rounds: int = 0  # ... and the choices in a row made in it
     _bucket_seconds: float = 0.0  # ... and the seconds of its rounds observed since (captures included)
@@ -211,22 +206,20 @@ class AdaptivePolicy:
         return None if e.seconds is None or tau is None else tau / (e.seconds + self.join_seconds(arm, batch))
 
     def join_seconds(self, arm: SpecConfig | None, batch: int) -> float:
-        """Seconds of joins per round of `arm` at this batch size (join_decay, join_prior)."""
-        e = self.estimate(arm, batch)
-        total, rounds = self._bucket_joins.get(bucket(batch), (0.0, 0.0))
-        prior = total / rounds if rounds else 0.0
-        weight = e.join_rounds + self.join_prior
-        return (e.join_sum + self.join_prior * prior) / weight if weight else 0.0
+        """Seconds of joins per round of `arm` at this batch size: the bucket's per row-token,
+        times the tokens per row the arm yields (τ)."""
+        total, tokens = self._bucket_joins.get(bucket(batch), (0.0, 0.0))
+        tau = self.tau(arm)
+        return total / tokens * tau if tokens and tau is not None else 0.0
 
-    def _charge_joins(self) -> None:
-        """The joins since the last round observed, to that round's arm and bucket."""
-        if self._last is None:
-            return
-        d, e = self.join_decay, self.estimate(self._last[1], self._last[0])
-        e.join_sum, e.join_rounds = e.join_sum * d + self._joined, e.join_rounds * d + 1
-        b = self._bucket_joins.setdefault(self._last[0], [0.0, 0.0])
-        b[0], b[1] = b[0] * d + self._joined, b[1] * d + 1
+    def _count_round(self, b: int, tokens: float) -> None:
+        """A round in bucket b decoded `tokens` per row; the joins since the round before go to
+        that round's bucket (join_seconds)."""
+        if self._last is not None and self._joined:
+            self._bucket_joins.setdefault(self._last[0], [0.0, 0.0])[0] += self._joined
         self._joined = 0.0
+        j = self._bucket_joins.setdefault(b, [0.0, 0.0])
+        j[0], j[1] = j[0] * self.join_decay, j[1] * self.join_decay + tokens
 
     def set_mix(self, classes: Sequence[Hashable]) -> None:
         """The running rows' sampling classes (sampling_class: their temperatures), one per row;
@@ -365,7 +358,7 @@ class AdaptivePolicy:
         plain round that joins may follow; its time is not observed."""
         self.round += 1
         self._bucket_rounds += 1
-        self._charge_joins()
+        self._count_round(self._bucket, 1.0)
         self._last = (self._bucket, PLAIN)
 
     def _drain_choice(self, b: int, rates: dict, drain: Sequence[tuple[int, float]],
@@ -442,7 +435,7 @@ class AdaptivePolicy:
         """One round of `arm` over `batch` rows took `seconds` (None: not representative, e.g. it
         captured a CUDA graph) and accepted `accepted[i]` drafts in row i (all 0 for plain
         rounds); classes[i]: row i's sampling class (None: one class for every row)."""
-        self._charge_joins()  # joins since the last round: its arm's
+        self._count_round(bucket(batch), 1.0 + sum(accepted) / len(accepted) if accepted else 1.0)
         self._last = (bucket(batch), arm)
         e = self.estimate(arm, batch)
         e.rounds += 1
@@ -473,8 +466,8 @@ class AdaptivePolicy:
         self.tau_rows[key] = rows + len(accepted)
 
     def observe_join(self, seconds: float) -> None:
-        """Newcomers joined the running batch (a prefill) in `seconds`: charged to the arm of the
-        round before (see the module docstring)."""
+        """Newcomers joined the running batch (a prefill) in `seconds`: charged to the batch
+        bucket of the round before, per token decoded (see the module docstring)."""
         self._joined += seconds
 
     def summary(self) -> list[dict]:

@@ -489,6 +489,13 @@ class SpecSession(DecodeSession):
         if self.static and self.all_greedy:
             key = self._plain_key(self._t_span)
             nxt, feats = self.run_step(self.target, key, self._greedy_plain, [self.caches[0]], **state)
+        elif self.static:
+            # Sampled rows: the forward and its mask in one graph, sampling after it, as a plain
+            # session's step runs (the mask built outside the graph and copied into it cost the
+            # sampled plain round ~80 us against plain decoding's step on the H100).
+            key = ("plain-logits", self.aux_ids, self._t_span)
+            logits, feats = self.run_step(self.target, key, self._plain_logits, [self.caches[0]], **state)
+            nxt = self.sample_next(logits, st, False)
         else:
             nxt, feats = self._plain_step(**state, sample=lambda logits: self.sample_next(logits, st, self.all_greedy))
         col = self._plain_run
@@ -503,6 +510,9 @@ class SpecSession(DecodeSession):
 
     def _greedy_plain(self, n: Tensor, root: Tensor) -> tuple[Tensor, Tensor]:
         return self._plain_step(n, root, sample=greedy_argmax, graph=False)
+
+    def _plain_logits(self, n: Tensor, root: Tensor) -> tuple[Tensor, Tensor]:
+        return self._plain_step(n, root, sample=lambda logits: logits, graph=False)
 
     def _plain_step(self, n: Tensor, root: Tensor, sample, graph: bool = True) -> tuple[Tensor, Tensor]:
         """The plain round's device work: (next token [B], its features for the drafter [B, F])."""
