@@ -350,17 +350,20 @@ def test_join_time_is_a_long_mean():
     assert policy.join_seconds(CHAIN, 16) == pytest.approx(3 * policy.join_seconds(PLAIN, 16))
 
 
-def test_held_plain_rounds_count_for_joins():
-    """Rounds run on a held plain choice (plain_hold) decode a token per row each: a join during
+def test_held_plain_rounds_are_observed():
+    """Rounds run on a held plain choice (plain_hold) are timed (the rounds that ask are the
+    first after a change, slower than the rest) and decode a token per row each: a join during
     a hold is spread over them too."""
     policy = AdaptivePolicy([CHAIN], explore_every=1000, join_decay=1.0)
     policy.choose(16)
-    policy.observe(PLAIN, 16, 1.0, [0] * 16)
+    policy.observe(PLAIN, 16, 2.0, [0] * 16)
     for _ in range(15):
-        policy.held()
+        policy.held(16, 1.0)
     policy.observe_join(16.0)
-    policy.held()
+    policy.held(16, 1.0)
     assert policy.join_seconds(PLAIN, 16) == pytest.approx(16 / 17)  # 16 s over 17 plain rounds
+    assert policy.estimate(PLAIN, 16).seconds == 1.0  # held rounds are timed too (a median)
+    assert policy.round == 17
 
 
 def test_one_large_round_does_not_swing_tau():
@@ -665,7 +668,7 @@ def test_switching_samples_from_the_target_distribution(tmp_path_factory, schedu
     rest_o, rest_e = observed[~keep].sum(), expected[~keep].sum()
     assert rest_o <= rest_e + 5 * math.sqrt(rest_e + 1) + 5
     assert stat < _chi2_critical(int(keep.sum()) - 1), (stat, int(keep.sum()))
-    assert sum(sum(a) for arm, a in policy.log if arm is not None) > 0  # speculation accepted drafts
+    assert sum(r.accepted for r in done) > 0  # speculation accepted drafts
 
 
 def test_masks_see_no_slot_past_the_attention_limit(pair, monkeypatch):

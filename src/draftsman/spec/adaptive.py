@@ -352,14 +352,13 @@ class AdaptivePolicy:
             return 0
         return max(0, min(self.hold_rounds, self._next.get(b, self.round) - self.round - 1))
 
-    def held(self) -> None:
-        """A round the session ran on a held plain choice (plain_hold) instead of asking: it
-        counts as a choice made in the bucket (re-measurements and staleness count rounds) and as a
-        plain round that joins may follow; its time is not observed."""
+    def held(self, batch: int, seconds: float) -> None:
+        """A plain round the session ran on a held choice (plain_hold) instead of asking, in
+        `seconds`: observed as any plain round, and counted as a choice made in the bucket
+        (re-measurements and staleness count rounds)."""
         self.round += 1
         self._bucket_rounds += 1
-        self._count_round(self._bucket, 1.0)
-        self._last = (self._bucket, PLAIN)
+        self.observe(PLAIN, batch, seconds, ())
 
     def _drain_choice(self, b: int, rates: dict, drain: Sequence[tuple[int, float]],
                       is_ready: Callable[[SpecConfig | None], bool]) -> SpecConfig | None:

@@ -288,13 +288,16 @@ class SpecSession(DecodeSession):
         roster, bucket_, until = self._plain_hold
         if roster == self.roster and bucket_ == pow2_ceil(batch) and self.policy.round < until:
             # Plain decoding chosen a few rounds ago, the rows unchanged (so their mix, spans'
-            # shapes and graphs too): the round runs as the drain's does, untimed (on the H100
-            # the adaptive arm's plain rounds took 35-56 us longer than plain decoding's steps,
-            # 4-6% of a 0.9 ms step).
-            self.policy.held()
+            # shapes and graphs too): no question to the policy (on the H100 the adaptive arm's
+            # plain rounds took 35-56 us longer than plain decoding's steps, 4-6% of a 0.9 ms
+            # step). Still timed: the rounds that ask are the first after a change and ran 9%
+            # slower there (a median 1.156 ms against 1.065 ms over all of them), so plain
+            # decoding timed on those alone looked slower than it is.
             self._set_spans(plain=True)
             self._drafter_before(None)
+            start = time.perf_counter()
             events = self._plain_round()[0]
+            self.policy.held(batch, time.perf_counter() - start)
             self._observe_finished(rows)
             return events
         classes = self._classes()
@@ -464,7 +467,9 @@ class SpecSession(DecodeSession):
         lens, toks = accept_len.tolist(), emitted.tolist()  # the round's host sync
         self._count(lens, self.spec.draft_tokens - 1)
         events = self._emit(range(len(self.rows)), [t[: a + 1] for t, a in zip(toks, lens, strict=True)])
-        return events, lens
+        # What the policy weighs is what rows keep: drafts accepted past a row's budget or stop
+        # are not tokens served (short budgets end mid-round for most rows).
+        return events, [max(len(e.tokens) - 1, 0) for e in events]
 
     def _count(self, lens: list[int], drafted: int) -> None:
         """Per-request statistics of a round: accepted drafts, and `drafted` tokens verified."""
