@@ -275,29 +275,25 @@ class SpecSession(DecodeSession):
             self._set_spans()
             return self._spec_round()[0]
         batch, rows = len(self.rows), self.rows
-        if self.waiting == 0 and self._plain_drain == (self.roster, pow2_ceil(batch)):
-            # Draining, plain decoding chosen for these rows: their tokens left fall together and
-            # no acceptance is observed, so nothing can change the choice until a row joins or
-            # leaves; the policy is not asked (its choice and readiness questions took ~90 us a
-            # round at batch 64 on the H200 host, results/h200_adaptive_overhead_session13.json).
-            self._set_spans(plain=True)
-            self._drafter_before(None)
-            events = self._plain_round()[0]
-            self._observe_finished(rows)
-            return events
+        draining = self.waiting == 0 and self._plain_drain == (self.roster, pow2_ceil(batch))
         roster, bucket_, until = self._plain_hold
-        if roster == self.roster and bucket_ == pow2_ceil(batch) and self.policy.round < until:
-            # Plain decoding chosen a few rounds ago, the rows unchanged (so their mix, spans'
-            # shapes and graphs too): no question to the policy (on the H100 the adaptive arm's
-            # plain rounds took 35-56 us longer than plain decoding's steps, 4-6% of a 0.9 ms
-            # step). Still timed: the rounds that ask are the first after a change and ran 9%
-            # slower there (a median 1.156 ms against 1.065 ms over all of them), so plain
-            # decoding timed on those alone looked slower than it is.
+        holding = roster == self.roster and bucket_ == pow2_ceil(batch) and self.policy.round < until
+        if draining or holding:
+            # Plain decoding chosen for these rows, unchanged since (so their mix, spans' shapes
+            # and graphs too): the policy is not asked (its choice and readiness questions took
+            # ~90 us a round at batch 64 on the H200 host, results/h200_adaptive_overhead_session13.json;
+            # on the H100 the adaptive arm's plain rounds took 35-56 us longer than plain
+            # decoding's steps, 4-6% of a 0.9 ms step). Draining, the rows' tokens left fall
+            # together and no acceptance is observed, so nothing can change the choice until a
+            # row joins or leaves. Holding, the round is still timed: the rounds that ask are the
+            # first after a change and ran 9% slower on the H100 (a median 1.156 ms against
+            # 1.065 ms over all of them), so plain decoding timed on those alone looked slower.
             self._set_spans(plain=True)
             self._drafter_before(None)
             start = time.perf_counter()
             events = self._plain_round()[0]
-            self.policy.held(batch, time.perf_counter() - start)
+            if not draining:
+                self.policy.held(batch, time.perf_counter() - start)
             self._observe_finished(rows)
             return events
         classes = self._classes()
