@@ -160,7 +160,11 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=4, help="bench --warmup: untimed requests per arm first (the "
                     "adaptive arm's policy keeps what it measured, as a running server would)")
-    ap.add_argument("--warmup-passes", type=int, default=1)
+    ap.add_argument("--warmup-passes", type=int, default=3, help="bench --warmup-passes: warm-up passes per arm at "
+                    "most, each after one that captured CUDA graphs (none off CUDA). The adaptive arm decodes its "
+                    "second pass unlike its first (it measured the arms in the first), so its joins meet new prefill "
+                    "shapes: with one pass, the H200's timed runs captured 4-6 graphs in its joins at batch 4-16, "
+                    "0.2-0.3 s of one-off cost in runs of 0.5-0.9 s")
     ap.add_argument("--repeats", type=int, default=2, help="bench --repeats: timed runs per arm, interleaved")
     ap.add_argument("--stop-at-eos", action="store_true", help="let requests stop at EOS (by default bench runs "
                     "with --ignore-eos: at T > 0 the arms' answers differ, and so would their lengths and work)")

@@ -175,7 +175,7 @@ def test_a_new_bucket_times_captured_arms_and_borrows_the_rest():
     borrow their rate from the nearest timed bucket (scaled by plain decoding's round time
     between the two), and only a clear gain pays a capture."""
     taus = {PLAIN: 1, CHAIN: 3, TREE: 5}
-    policy = AdaptivePolicy([CHAIN, TREE], explore_every=1000, window=1, tau_alpha=1.0, plain_margin=0.0,
+    policy = AdaptivePolicy([CHAIN, TREE], explore_every=1000, window=1, tau_alpha=1.0, plain_margin=0.0, single_row_margin=0.0,
                             capture_after=0)
     feed(policy, 64, {PLAIN: 1.0, CHAIN: 3.6, TREE: 6.0}, taus, 3)  # batch 64: plain wins
     ready = {PLAIN}
@@ -247,7 +247,7 @@ def test_a_dropped_arm_s_tau_goes_back_to_its_mean_once_stale():
 def test_one_slow_round_does_not_flip_the_choice():
     """Round times are medians of the last rounds: a host hiccup (one plain round 10x slower)
     must not make speculation that loses look like it wins."""
-    policy = AdaptivePolicy([CHAIN], explore_every=1000, tau_alpha=1.0, plain_margin=0.0)
+    policy = AdaptivePolicy([CHAIN], explore_every=1000, tau_alpha=1.0, plain_margin=0.0, single_row_margin=0.0)
     feed(policy, 64, {PLAIN: 1.0, CHAIN: 3.3}, {PLAIN: 1, CHAIN: 3}, 10)
     assert policy.current[64] is PLAIN
     policy.observe(PLAIN, 64, 10.0, [0] * 64)  # the hiccup
@@ -299,7 +299,7 @@ def test_re_measurements_back_off_while_they_change_nothing():
 
 
 def test_policy_needs_a_margin_to_switch_and_re_measures_stale_arms():
-    policy = AdaptivePolicy([CHAIN], explore_every=10, window=1, tau_alpha=1.0, plain_margin=0.0)
+    policy = AdaptivePolicy([CHAIN], explore_every=10, window=1, tau_alpha=1.0, plain_margin=0.0, single_row_margin=0.0)
     feed(policy, 1, {PLAIN: 1.0, CHAIN: 1.0}, {PLAIN: 1, CHAIN: 2}, 6)
     assert policy.current[1] == CHAIN
     # plain now 2% faster than the chain: within the margin, no switch (except explorations)
@@ -319,13 +319,22 @@ def test_speculation_must_beat_plain_by_the_plain_margin():
     assert feed(policy, 64, {PLAIN: 1.0, CHAIN: 2.5}, taus, 10)[2:] == [CHAIN] * 8  # 20% faster
 
 
+def test_one_row_needs_only_the_single_row_margin():
+    """One row cannot finish apart from others (what plain_margin stands for): at batch 1
+    speculation 5% ahead is taken, at batch 2 it is not."""
+    taus = {PLAIN: 1, CHAIN: 3}
+    for batch, expected in ((1, CHAIN), (2, PLAIN)):
+        policy = AdaptivePolicy([CHAIN], explore_every=1000, window=1, tau_alpha=1.0, tau_round_cap=1.0)
+        assert feed(policy, batch, {PLAIN: 1.0, CHAIN: 2.85}, taus, 10)[2:] == [expected] * 8
+
+
 def test_joins_cost_per_token_decoded_whatever_the_arm():
     """A join prefills requests, work per request and so per token decoded, whatever arm decoded
     it: the bucket's join seconds per row-token, times an arm's τ, is its join time per round.
     (Charged to the arm of the round before, the many small joins speculation's staggered
     finishes bring landed on plain rounds run between them.)"""
     policy = AdaptivePolicy([CHAIN], explore_every=1000, window=1, tau_alpha=1.0, join_decay=1.0,
-                            plain_margin=0.0)
+                            plain_margin=0.0, single_row_margin=0.0)
     assert feed(policy, 16, {PLAIN: 1.0, CHAIN: 2.0}, {PLAIN: 1, CHAIN: 3}, 3) == [PLAIN, CHAIN, CHAIN]
     policy.observe_join(7.0)  # 7 s of joins after rounds that decoded 1 + 3 + 3 tokens per row ...
     policy.observe(CHAIN, 16, 2.0, [2] * 16)  # ... and 3 more: 0.7 s per token

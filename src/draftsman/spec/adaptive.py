@@ -44,8 +44,8 @@ finish, and the many small joins that follow landed on the plain rounds run betw
 the H100 at batch 16, plain's join time read 1.0 ms a round against 0.2 ms in a plain run, and
 the policy speculated at 0.5x; results/h100_adaptive28.json). What staggering costs beyond the
 same requests' prefills falls in plain_margin. And
-speculation must beat plain decoding by `plain_margin` before the policy speculates: costs no
-estimate sees (the drafter's catch-up after plain stretches, re-measurements, a batch's slow
+speculation must beat plain decoding by `plain_margin` (`single_row_margin` for one row, which
+cannot finish apart from others) before the policy speculates: costs no estimate sees (the drafter's catch-up after plain stretches, re-measurements, a batch's slow
 tail when rows finish apart) fall on speculation.
 
 When no request waits for a slot and none will come (the session's `waiting` is 0: the running
@@ -123,6 +123,11 @@ class AdaptivePolicy:
     switch_margin: float = 0.03  # another arm must beat the current one by this fraction
     capture_margin: float = 0.15  # ... this much if it needs a CUDA graph capture and a captured arm does not
     plain_margin: float = 0.1  # speculation must beat plain decoding by this fraction to be chosen
+    # ... and by this at batch 1, where what plain_margin stands for (rows finishing apart: a slow
+    # tail, staggered joins) cannot happen, and speculation's whole gain may be ~15%: on the H200
+    # at batch 1 (GSM8K, T=0) the tree ran 1.19x plain decoding's speed and the adaptive arm
+    # 1.09x, left on plain rounds by every dip of τ inside the margin (710 of 1,087 rounds).
+    single_row_margin: float = 0.03
     tau_round_cap: float = 0.2  # most weight one round has in τ (at large batch a round has many rows),
     # once τ has seen 1/tau_alpha rows (or one row's weight, if tau_alpha is more)
     # An arm's running τ says what it accepts on the text now decoding; once the arm has not run
@@ -132,7 +137,10 @@ class AdaptivePolicy:
     # it while it does not run), and one re-measurement at batch 1 weighs too little to lift
     # it: on the H200 the reference pair's best arm was dropped at a running τ of 2.8 against
     # its 3.9 mean, and the adaptive arm decoded plainly for 14k of 16k rounds (1.0x against 1.46x).
-    tau_stale_after: int = 64
+    # 16 rounds, not 64: at batch 1 a dip of one request's acceptance dropped the best arm for
+    # 64 rounds each time (with the H200's batch-1 costs, a simulation of 128 GSM8K-like requests
+    # gave 1.09x for 64 and 1.11x for 16, single_row_margin 0.03, against the tree's 1.14x run throughout).
+    tau_stale_after: int = 16
     # Capture an arm's graphs (choose an arm not captured at this shape while a captured one is
     # available) only after the batch has stayed in its bucket for this many rounds: a batch
     # draining at the end of a burst passes each smaller bucket in a few rounds, too few to pay
@@ -272,9 +280,13 @@ class AdaptivePolicy:
             return None
         return tau / e.seconds if e.seconds is not None else self._borrowed(arm, batch, joins=False)
 
-    def _score(self, arm: SpecConfig | None, rate: float) -> float:
-        """What choices compare: the rate, speculation's discounted by plain_margin."""
-        return rate if arm is PLAIN else rate / (1 + self.plain_margin)
+    def _margin(self, batch: int) -> float:
+        """What speculation must beat plain decoding by at this batch size."""
+        return self.single_row_margin if batch == 1 else self.plain_margin
+
+    def _score(self, arm: SpecConfig | None, rate: float, batch: int) -> float:
+        """What choices compare: the rate, speculation's discounted by the margin (_margin)."""
+        return rate if arm is PLAIN else rate / (1 + self._margin(batch))
 
     def choose(self, batch: int, ready: Callable[[SpecConfig | None], bool] | None = None,
                drain: Sequence[tuple[int, float]] | None = None) -> SpecConfig | None:
@@ -312,7 +324,7 @@ class AdaptivePolicy:
             untried = [arm for arm in untried if rates[arm] is None]
             if untried:
                 return untried[0]
-        scores = {arm: self._score(arm, r) for arm, r in rates.items()}
+        scores = {arm: self._score(arm, r, batch) for arm, r in rates.items()}
         interval = self._interval.setdefault(b, self.explore_every)
         if self.round >= self._next.setdefault(b, self.round + interval):
             self._next[b] = self.round + interval
@@ -371,7 +383,7 @@ class AdaptivePolicy:
             if rate is None or tau is None or not is_ready(arm):
                 continue
             rounds = max(left / (1.0 + (tau - 1.0) * rel) for left, rel in drain)
-            finish[arm] = rounds * tau / rate * (1.0 if arm is PLAIN else 1.0 + self.plain_margin)
+            finish[arm] = rounds * tau / rate * (1.0 if arm is PLAIN else 1.0 + self._margin(b))
         if not finish:
             return self.current.get(b, PLAIN)
         best = min(finish, key=lambda arm: finish[arm])
