@@ -426,7 +426,9 @@ def drive_session(session: DecodeSession, requests: Sequence[Request], max_runni
                   on_finish: Callable[[], None] | None = None,
                   clock: Callable[[], float] = time.perf_counter) -> SessionRun:
     """Continuous batching: keep at most `max_running` requests in the session, refilling freed
-    slots (a prefill of the newcomers) before each round. Requests' ids must be unique."""
+    slots (a prefill of the newcomers) before a round when the session's join coalescer says so
+    (joins.JoinCoalescer: at once, or with more freed slots together). Requests' ids must be
+    unique."""
     queue = deque(requests)
     traces = {r.request_id: Trace(start=0.0) for r in requests}
     steps: list[tuple[float, int]] = []
@@ -434,7 +436,7 @@ def drive_session(session: DecodeSession, requests: Sequence[Request], max_runni
     t0 = clock()
     while queue or session.num_running:
         free = max_running - session.num_running
-        if queue and free > 0:
+        if queue and free > 0 and session.joins.join_now(free, max_running):
             batch = [queue.popleft() for _ in range(min(free, len(queue)))]
             now = clock()
             for r in batch:

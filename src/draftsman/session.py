@@ -11,6 +11,7 @@ and `step` (continuous batching).
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Hashable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -22,12 +23,14 @@ from torch import Tensor
 from draftsman.generate import RowState, StopRules, pad_prompts
 from draftsman.graphs import (
     Outputs,
+    captures,
     compiled,
     graph_table,
     graphs_enabled,
     pow2_ceil,
     signature,
 )
+from draftsman.joins import JoinCoalescer
 from draftsman.kvcache import StaticCache
 from draftsman.models.base import TargetModel
 from draftsman.models.layers import decode_kernel_serves, slot_mask
@@ -133,6 +136,8 @@ class DecodeSession(abc.ABC):
         # rate per row. None: unknown, more may come at any time (a server).
         self.waiting: int | None = None
         self.roster = 0  # changes of the running rows' membership (joins and leaves)
+        # When waiting requests join (drivers ask joins.join_now): now, or with more freed slots
+        self.joins = JoinCoalescer()
 
     # ---- public ------------------------------------------------------------------------
     @property
@@ -160,8 +165,9 @@ class DecodeSession(abc.ABC):
             return []
         for r in requests:
             self.check_fits(len(r.prompt), r.rules.max_new_tokens)
-        start = len(self.rows)
+        start, began, before = len(self.rows), time.perf_counter(), captures(*self._modules())
         first: list[int] = []
+        tokens_in = 0
         for group in prefill_groups([len(r.prompt) for r in requests], self.max_len,
                                     self.target.config.num_attention_heads):
             batch = [requests[i] for i in group]
@@ -170,7 +176,10 @@ class DecodeSession(abc.ABC):
                 ids = F.pad(ids, (0, prefill_columns(ids.shape[1]) - ids.shape[1]))
             caches, tensors, tokens = self._prefill(ids, lengths, self._sampling_tensors([r.params for r in batch]))
             self._join(batch, caches, tensors)
-            first += tokens.tolist()
+            first += tokens.tolist()  # (a host sync: the join's time is its own)
+            tokens_in += ids.numel()
+        captured = captures(*self._modules()) != before
+        self.joins.observe_join(None if captured else time.perf_counter() - began, tokens_in)
         return self._emit(range(start, len(self.rows)), [[t] for t in first])
 
     @torch.no_grad()
@@ -178,7 +187,15 @@ class DecodeSession(abc.ABC):
         """One round for every running row."""
         if not self.rows:
             return []
-        return self._round()
+        began, before, rows = time.perf_counter(), captures(*self._modules()), len(self.rows)
+        events = self._round()  # (ends in a host sync: the tokens)
+        seconds = time.perf_counter() - began if captures(*self._modules()) == before else None
+        self.joins.observe_round(seconds, rows - len(self.rows))
+        return events
+
+    def _modules(self) -> tuple:
+        """The modules whose CUDA graphs this session captures (graphs.captures)."""
+        return (self.target,)
 
     def cancel(self, request_ids: Sequence[Hashable]) -> list[Event]:
         gone = set(request_ids)

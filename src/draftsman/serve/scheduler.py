@@ -154,7 +154,10 @@ class Scheduler:
                 for job in dropped:
                     self._waiting.remove(job)
                 admit = []
-                while self._waiting and len(self._jobs) + len(admit) < self.max_batch_size:
+                free = self.max_batch_size - len(self._jobs)
+                # (freed slots may wait a few rounds to fill together: joins.JoinCoalescer)
+                coalesce = bool(self._waiting) and free > 0 and not self._shared.joins.join_now(free, self.max_batch_size)
+                while not coalesce and self._waiting and len(self._jobs) + len(admit) < self.max_batch_size:
                     admit.append(self._waiting.popleft())
             try:
                 for job in dropped:

@@ -117,6 +117,9 @@ class SpecSession(DecodeSession):
         self.deferred_prefills = self.spills = 0  # (reports)
         self._mix: tuple[int, list] = (-1, [])  # (roster, the rows' sampling classes) when made
 
+    def _modules(self) -> tuple:
+        return (self.target, self.drafter)
+
     # ---- prefill ------------------------------------------------------------------------
     def _prefill(self, ids, lengths, sampling):
         b, t = ids.shape
