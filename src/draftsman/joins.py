@@ -3,9 +3,9 @@ the freed slots together.
 
 A join (prefill of the newcomers, appending their cache rows) costs a fixed part whatever it
 holds, launches and host syncs, and a part per prompt token. On a GPU with a small target the
-fixed part dominates: on the H100 with the reference pair a join of one request took ~3 ms and
-one of 16 requests ~9 ms, against a decode step of ~1.2 ms. Rows that finish together join
-together, but rows of one budget finish apart once a speculative round has accepted more for
+fixed part dominates: on the H100 and the H200 with the reference pair a join of one request
+took ~3 ms and one of 16 requests ~9 ms, against a decode step of ~1.2 ms at batch 16. Rows
+that finish together join together, but rows of one budget finish apart once a speculative round has accepted more for
 some than for others, and then every finishing row paid the fixed part alone (batch 16: 27
 joins per 64 requests against plain decoding's 4, 0.14 s against 0.04 s of a 0.34 s run).
 
