@@ -582,6 +582,7 @@ def test_weight_bytes_count_active_experts(tiny_llama_dir, tiny_deepseek_dir):
     (["--target", "x", "--baseline-url", "http://127.0.0.1:9"], "--baseline-url needs --server-url"),
     (["--target", "x", "--batch-sizes", "1,a"], "comma-separated integers"),
     (["--target", "x", "--dataset", "nope"], "neither a bundled"),
+    (["--target", "x", "--join-wait-rounds", "-1"], "--join-wait-rounds must be >= 0"),
 ])
 def test_bad_arguments_are_explained(args, message, capsys):
     with pytest.raises(SystemExit) as exc:

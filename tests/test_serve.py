@@ -283,6 +283,35 @@ def test_a_long_request_does_not_block_a_short_one(plain, slow_rounds):
     assert long_done.is_set()
 
 
+def test_coalesced_joins_serve_every_request_as_before(dirs, model, monkeypatch):
+    """With a join's fixed part made large (every freed slot worth holding for the next), the
+    server's freed slots wait to be refilled together, at most --join-wait-rounds rounds: fewer
+    joins than with 0 (at once), and every request still gets its plain-decoding answer."""
+    from draftsman.joins import JoinCoalescer
+
+    monkeypatch.setattr(JoinCoalescer, "fixed_seconds", lambda self: 1.0)
+    prompts, lengths = [[5 + i, 6, 7 + i % 3] for i in range(12)], [3 + (i * 7) % 11 for i in range(12)]
+    expected = [generate_plain(model, [p], StopRules(n, EOS)).token_ids[0] for p, n in zip(prompts, lengths, strict=True)]
+    joins = {}
+    for wait in (0, 8):
+        state = build_state(model, load_tokenizer(dirs[0]), EOS, max_model_len=MAX_LEN, max_batch_size=4,
+                            model_name="coalesced", join_wait_rounds=wait)
+        shared, joins[wait] = state.scheduler._shared, []
+        add = shared.add
+        monkeypatch.setattr(shared, "add", lambda requests, _add=add, _j=joins[wait]: _j.append(len(requests)) or _add(requests))
+        with LiveServer(state) as server:
+            async def all_of(url=server.url):
+                async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+                    return await asyncio.gather(*(c.post(C, json={"prompt": p, "max_tokens": n, "temperature": 0})
+                                                  for p, n in zip(prompts, lengths, strict=True)))
+
+            outs = [r.json()["choices"][0]["token_ids"] for r in asyncio.run(all_of())]
+        assert outs == expected and sum(joins[wait]) == 12
+    assert len(joins[8]) < len(joins[0])
+    with pytest.raises(ValueError, match="join_wait_rounds"):
+        build_state(model, load_tokenizer(dirs[0]), EOS, max_model_len=MAX_LEN, join_wait_rounds=-1)
+
+
 def test_max_batch_size_caps_the_running_batch(dirs, model, slow_rounds):
     state = build_state(model, load_tokenizer(dirs[0]), EOS, max_model_len=MAX_LEN, max_batch_size=2,
                         model_name="capped")

@@ -478,6 +478,7 @@ class Workload:
     graph_prefill: bool = True  # staged (graphed) prefills of newcomers where graphs run (DecodeSession's)
     warmup_passes: int = 1  # warm-up runs per arm at most; they stop after one that captured nothing
     repeats: int = 1  # timed runs per arm, interleaved across arms (bench_in_process)
+    join_wait_rounds: int = 8  # the most rounds freed slots wait to fill together (joins.JoinCoalescer)
 
     @property
     def max_len(self) -> int:
@@ -496,6 +497,7 @@ def make_session(target, drafter, spec: SpecConfig | str | None, workload: Workl
     else:
         session = SpecSession(target, drafter, spec, w.max_len, seed=w.seed, compile=w.compile)
     session.graph_prefill = session.graph_prefill and w.graph_prefill
+    session.joins.max_wait_rounds = w.join_wait_rounds
     return session
 
 

@@ -43,7 +43,7 @@ same run (CUDA only).
 Output: a table, and with --json one JSON object as the last stdout line. Top-level keys:
   mode                "in-process" | "client"
   dataset, num_prompts, max_new_tokens, temperature, top_p, top_k, seed, chat, ignore_eos, warmup, warmup_passes,
-  repeats
+  repeats, join_wait_rounds (in-process; null in client mode)
   batch_sizes         [int]  (client: concurrencies)
   target, drafter, device, dtype        in-process (null in client mode)
   server_url, baseline_url, model       client mode (null in-process)
@@ -172,6 +172,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="in-process: run the warm-up requests up to this many times per arm (default 1), "
                         "stopping after a pass that captured no CUDA graph: an adaptive arm's choices differ "
                         "between passes, so one pass leaves shapes (and captures) for the timed run")
+    p.add_argument("--join-wait-rounds", type=int, default=8,
+                   help="in-process: the most rounds freed batch slots wait to be refilled together, as the server "
+                   "does (draftsman/joins.py; default 8; 0: waiting requests join at once)")
     p.add_argument("--repeats", type=int, default=1,
                    help="in-process: timed runs per arm (default 1); with more, every arm is warmed up first and "
                         "the runs go round the arms (each round starting one arm further on), each arm reporting "
@@ -205,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
         "top_k": args.top_k, "seed": args.seed, "chat": not args.no_chat, "ignore_eos": args.ignore_eos,
         "warmup": args.warmup,
         "warmup_passes": args.warmup_passes, "repeats": args.repeats,
+        "join_wait_rounds": args.join_wait_rounds if args.target else None,
         "batch_sizes": batch_sizes, "target": args.target, "drafter": args.drafter, "device": None,
         "dtype": None, "server_url": args.server_url, "baseline_url": args.baseline_url, "model": args.model,
         "specs": [], "copy_bandwidth_gb_s": None,
@@ -252,6 +256,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--warmup must be >= 0")
     if args.warmup_passes < 1:
         raise ValueError("--warmup-passes must be >= 1")
+    if args.join_wait_rounds < 0:
+        raise ValueError("--join-wait-rounds must be >= 0")
     if args.repeats < 1:
         raise ValueError("--repeats must be >= 1")
     if args.plot:  # fail before a long run, not after it
@@ -319,7 +325,8 @@ def run_in_process(args: argparse.Namespace, prompts: list[str], batch_sizes: li
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     workload = bench.Workload(ids, rules, params, tuple(batch_sizes), min(args.warmup, len(ids)), args.seed,
                               compile=args.compile, graph_prefill=not args.eager_prefill,
-                              warmup_passes=args.warmup_passes, repeats=args.repeats)
+                              warmup_passes=args.warmup_passes, repeats=args.repeats,
+                              join_wait_rounds=args.join_wait_rounds)
     if workload.max_len > model.config.max_position_embeddings:  # fail before any arm runs
         raise SystemExit(f"error: the longest prompt + --max-new-tokens needs {workload.max_len} positions, more "
                          f"than the target's max_position_embeddings={model.config.max_position_embeddings}")

@@ -66,6 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="require `Authorization: Bearer KEY` on /v1/ routes (default: $DRAFTSMAN_API_KEY)")
     p.add_argument("--served-model-name", help="model name clients send (default: the target dir's name)")
     p.add_argument("--max-batch-size", type=int, default=32, help="rows decoded together at most (default 32)")
+    p.add_argument("--join-wait-rounds", type=int, default=8,
+                   help="the most decoding rounds freed batch slots wait to be refilled together, where the "
+                   "requests expected to finish meanwhile would each pay a join's fitted fixed cost (launches, "
+                   "syncs) alone for more than the empty slots cost (default 8; 0: waiting requests join at once)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + generated tokens per request (default: the target's "
                         "max_position_embeddings, at most 4096)")
@@ -86,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_batch_size < 1:
         raise SystemExit("error: --max-batch-size must be >= 1")
+    if args.join_wait_rounds < 0:
+        raise SystemExit("error: --join-wait-rounds must be >= 0")
     if args.spec_adaptive:
         if args.spec_policy == "fixed":
             raise SystemExit("error: --spec-adaptive contradicts --spec-policy fixed")
@@ -100,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
         state = load_state(args.target, args.drafter, spec, device=device,
                            dtype=resolve_dtype(args.dtype, device), max_model_len=args.max_model_len,
                            max_batch_size=args.max_batch_size, model_name=args.served_model_name,
-                           api_key=args.api_key, candidates=candidates)
+                           api_key=args.api_key, candidates=candidates,
+                           join_wait_rounds=args.join_wait_rounds)
     except (OSError, ValueError, RuntimeError) as e:
         raise SystemExit(f"error: {e}") from None
     run_server(state, args.host, args.port, args.shutdown_timeout, args.log_level)

@@ -79,9 +79,14 @@ class Scheduler:
     """Continuous batching over `DecodeSession`s in a background thread."""
 
     def __init__(self, new_session: SessionFactory, max_batch_size: int, metrics: ServeMetrics,
-                 draft_tokens_per_round: int = 0) -> None:
+                 draft_tokens_per_round: int = 0, join_wait_rounds: int = 8) -> None:
+        """join_wait_rounds: the most rounds freed slots wait to be refilled together (the shared
+        session's joins.JoinCoalescer decides; 0: waiting requests join at once)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if join_wait_rounds < 0:
+            raise ValueError(f"join_wait_rounds must be >= 0, got {join_wait_rounds}")
+        self.join_wait_rounds = join_wait_rounds
         self.new_session = new_session
         self.max_batch_size = max_batch_size
         self.metrics = metrics
@@ -156,7 +161,9 @@ class Scheduler:
                 admit = []
                 free = self.max_batch_size - len(self._jobs)
                 # (freed slots may wait a few rounds to fill together: joins.JoinCoalescer)
-                coalesce = bool(self._waiting) and free > 0 and not self._shared.joins.join_now(free, self.max_batch_size)
+                self._shared.joins.max_wait_rounds = self.join_wait_rounds
+                coalesce = (bool(self._waiting) and free > 0 and self._shared.num_running > 0
+                            and not self._shared.joins.join_now(free, self.max_batch_size))
                 while not coalesce and self._waiting and len(self._jobs) + len(admit) < self.max_batch_size:
                     admit.append(self._waiting.popleft())
             try:

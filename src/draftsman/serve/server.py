@@ -58,6 +58,7 @@ def build_state(
     api_key: str | None = None,
     adaptive: bool = False,
     candidates=None,
+    join_wait_rounds: int = 8,
 ) -> ServeState:
     """Wire a loaded target (and drafter) to a scheduler, metrics and the tokenizer.
 
@@ -66,6 +67,9 @@ def build_state(
     with adaptive=True) or a plain step, whichever round times and acceptance measured while
     serving say is fastest at the running batch (spec/adaptive.py). `spec` without adaptive:
     every round speculates with it.
+
+    join_wait_rounds: the most rounds freed batch slots wait to be refilled together
+    (joins.JoinCoalescer; 0: at once).
 
     max_model_len bounds prompt + generated tokens of one request (a cache row has this many
     slots); it defaults to the target's max_position_embeddings capped at DEFAULT_MAX_MODEL_LEN,
@@ -99,7 +103,7 @@ def build_state(
             new_session = lambda seed: SpecSession(model, drafter, None, max_len, seed, policy=policy)  # noqa: E731
         steps, per_round = max(c.steps for c in shapes), max(c.draft_tokens for c in shapes) - 1
         metrics.init_positions(steps)
-    scheduler = Scheduler(new_session, max_batch_size, metrics, per_round)
+    scheduler = Scheduler(new_session, max_batch_size, metrics, per_round, join_wait_rounds)
     return ServeState(scheduler=scheduler, metrics=metrics, tokenizer=tokenizer, eos_ids=eos_ids,
                       vocab_size=model.config.vocab_size, model_name=model_name, max_model_len=max_len,
                       api_key=api_key or None, spec_steps=steps, draft_tokens_per_round=per_round)
