@@ -17,8 +17,8 @@ r x F > f/B x R, at most `max_wait_rounds` rounds (a newcomer's time to first to
 finish together (one budget, plain decoding) join at once, as does any join where the slots
 are all free. F is fitted online, seconds = F + per-token x prompt tokens over the recent
 joins; until their sizes vary enough to tell the parts apart, or where the fit finds no fixed
-part, newcomers join at once. (On the CPU with the reference pair the fit gives F ~12 ms
-against 11 ms rounds at batch 4, where rows leave ~0.1 a round: at once.)
+part, newcomers join at once. (On the CPU with the reference pair the fit gives F ~10-12 ms
+against 11-13 ms rounds at batch 4, where rows of 64 tokens leave 4/64 a round: at once.)
 """
 
 from __future__ import annotations
