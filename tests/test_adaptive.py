@@ -14,7 +14,7 @@ import draftsman
 from draftsman.generate import StopRules
 from draftsman.reference import TARGET_DIR
 from draftsman.sampling import SamplingParams
-from draftsman.session import DecodeSession, PlainSession, Request, run_to_completion
+from draftsman.session import PlainSession, Request, run_to_completion
 from draftsman.spec.adaptive import PLAIN, AdaptivePolicy, bucket
 from draftsman.spec.engine import BACKLOG, SpecConfig, SpecSession
 from draftsman.tokenizer import encode_prompt, load_tokenizer
@@ -564,17 +564,16 @@ def test_session_reports_joins_made_while_rows_decode(pair):
     from draftsman.graphs import graph_table
 
     session.step()
-    add = DecodeSession.add
+    prefill = session._prefill
 
-    def capturing_add(self, requests):
-        graph_table(target).captures += 1
-        return add(self, requests)
+    def capturing_prefill(*args):
+        graph_table(target).captures += 1  # as a staged prefill of a new shape does
+        return prefill(*args)
 
+    session._prefill = capturing_prefill
     try:
-        DecodeSession.add = capturing_add
         session.add([Request(2, prompts()[0], rules)])
     finally:
-        DecodeSession.add = add
         graph_table(target).captures -= 1
     assert len(joins) == 1
 

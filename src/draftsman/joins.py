@@ -5,9 +5,10 @@ A join (prefill of the newcomers, appending their cache rows) costs a fixed part
 holds, launches and host syncs, and a part per prompt token. On a GPU with a small target the
 fixed part dominates: on the H100 and the H200 with the reference pair a join of one request
 took ~3 ms and one of 16 requests ~9 ms, against a decode step of ~1.2 ms at batch 16. Rows
-that finish together join together, but rows of one budget finish apart once a speculative round has accepted more for
-some than for others, and then every finishing row paid the fixed part alone (batch 16: 27
-joins per 64 requests against plain decoding's 4, 0.14 s against 0.04 s of a 0.34 s run).
+that finish together join together, but rows of one budget finish apart once a speculative
+round has accepted more for some than for others, and then every finishing row paid the fixed
+part alone (H200, batch 16, the tree: 27 joins per 64 requests against plain decoding's 4,
+0.14 s against 0.04 s, of a 0.34 s run).
 
 Waiting costs too: a round run with f of the batch's B slots empty yields f/B fewer tokens,
 f/B x R seconds of a round of R seconds. Another round of waiting pays when the rows it is

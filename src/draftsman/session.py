@@ -178,9 +178,15 @@ class DecodeSession(abc.ABC):
             self._join(batch, caches, tensors)
             first += tokens.tolist()  # (a host sync: the join's time is its own)
             tokens_in += ids.numel()
+        # A join that captured a graph (a staged prefill of a new shape) is a one-off cost: untimed
         captured = captures(*self._modules()) != before
-        self.joins.observe_join(None if captured else time.perf_counter() - began, tokens_in)
+        self._observe_join(None if captured else time.perf_counter() - began, tokens_in, start > 0)
         return self._emit(range(start, len(self.rows)), [[t] for t in first])
+
+    def _observe_join(self, seconds: float | None, tokens: int, running: bool) -> None:
+        """A join of `tokens` prompt tokens took `seconds` (None: it captured a graph); `running`:
+        rows were decoding when it came."""
+        self.joins.observe_join(seconds, tokens)
 
     @torch.no_grad()
     def step(self) -> list[Event]:

@@ -100,7 +100,7 @@ class Scheduler:
         # Owned by the scheduler thread:
         self._jobs: dict[Hashable, Job] = {}
         self._session_of: dict[Hashable, DecodeSession] = {}
-        self._shared = new_session(None)
+        self._shared = self._new_shared()
 
     # ---- called from the event loop ------------------------------------------------------------
     @property
@@ -161,7 +161,6 @@ class Scheduler:
                 admit = []
                 free = self.max_batch_size - len(self._jobs)
                 # (freed slots may wait a few rounds to fill together: joins.JoinCoalescer)
-                self._shared.joins.max_wait_rounds = self.join_wait_rounds
                 coalesce = (bool(self._waiting) and free > 0 and self._shared.num_running > 0
                             and not self._shared.joins.join_now(free, self.max_batch_size))
                 while not coalesce and self._waiting and len(self._jobs) + len(admit) < self.max_batch_size:
@@ -177,6 +176,12 @@ class Scheduler:
                 self._fail_all(e)
             self._update_gauges()
         self._shutdown()
+
+    def _new_shared(self) -> DecodeSession:
+        """The session every unseeded request joins, its join coalescing bounded by join_wait_rounds."""
+        session = self.new_session(None)
+        session.joins.max_wait_rounds = self.join_wait_rounds
+        return session
 
     def _sessions(self) -> list[DecodeSession]:
         own = {id(s): s for j, s in self._session_of.items() if self._jobs[j].own_session}
@@ -245,14 +250,14 @@ class Scheduler:
             self._jobs[rid].push(JobFailed(f"{type(error).__name__}: {error}"))
             self._forget(rid)
         if session is self._shared:
-            self._shared = self.new_session(None)  # its caches may be half-written
+            self._shared = self._new_shared()  # its caches may be half-written
 
     def _fail_all(self, error: Exception) -> None:
         for job in list(self._jobs.values()):
             job.push(JobFailed(f"{type(error).__name__}: {error}"))
         self._jobs.clear()
         self._session_of.clear()
-        self._shared = self.new_session(None)
+        self._shared = self._new_shared()
 
     def _forget(self, request_id: Hashable) -> None:
         self._jobs.pop(request_id, None)

@@ -43,10 +43,10 @@ it (kept until session 18) was contaminated wherever arms mix: speculation stagg
 finish, and the many small joins that follow landed on the plain rounds run between them (on
 the H100 at batch 16, plain's join time read 1.0 ms a round against 0.2 ms in a plain run, and
 the policy speculated at 0.5x; results/h100_adaptive28.json). What staggering costs beyond the
-same requests' prefills falls in plain_margin. And
-speculation must beat plain decoding by `plain_margin` (`single_row_margin` for one row, which
-cannot finish apart from others) before the policy speculates: costs no estimate sees (the drafter's catch-up after plain stretches, re-measurements, a batch's slow
-tail when rows finish apart) fall on speculation.
+same requests' prefills falls in plain_margin. And speculation must beat plain decoding by
+`plain_margin` (`single_row_margin` for one row, which cannot finish apart from others) before
+the policy speculates: costs no estimate sees (the drafter's catch-up after plain stretches,
+re-measurements, a batch's slow tail when rows finish apart) fall on speculation.
 
 When no request waits for a slot and none will come (the session's `waiting` is 0: the running
 rows are the last of a batch job, as its driver knows; a server, where requests come at any
@@ -139,7 +139,8 @@ class AdaptivePolicy:
     # its 3.9 mean, and the adaptive arm decoded plainly for 14k of 16k rounds (1.0x against 1.46x).
     # 16 rounds, not 64: at batch 1 a dip of one request's acceptance dropped the best arm for
     # 64 rounds each time (with the H200's batch-1 costs, a simulation of 128 GSM8K-like requests
-    # gave 1.09x for 64 and 1.11x for 16, single_row_margin 0.03, against the tree's 1.14x run throughout).
+    # gave 1.09x for 64 and 1.11x for 16, single_row_margin 0.03, against the tree's 1.14x run
+    # throughout).
     tau_stale_after: int = 16
     # Capture an arm's graphs (choose an arm not captured at this shape while a captured one is
     # available) only after the batch has stayed in its bucket for this many rounds: a batch

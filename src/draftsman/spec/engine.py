@@ -196,19 +196,14 @@ class SpecSession(DecodeSession):
             return logits[rows, last], h[rows, last]
         return step
 
-    @torch.no_grad()
-    def add(self, requests: Sequence[Request]) -> list[Event]:
-        """DecodeSession.add; with a policy, a join while rows decode is reported to it (its
-        prefill is part of what the arm before it costs: spec/adaptive.py)."""
-        running, before = bool(self.rows), captures(self.target, self.drafter)
-        start = time.perf_counter()
-        events = super().add(requests)  # (ends in a host sync: the first tokens)
-        # A join that captured a graph (a staged prefill of a new shape) is a one-off cost, as a
-        # capturing round is: charged, it made the arm before it look slow for many rounds (on
-        # the H200 at batch 4, 5.2 ms of joins per round against 0.3 ms measured without them).
-        if self.policy is not None and running and requests and captures(self.target, self.drafter) == before:
-            self.policy.observe_join(time.perf_counter() - start)
-        return events
+    def _observe_join(self, seconds: float | None, tokens: int, running: bool) -> None:
+        """DecodeSession's; with a policy, a join while rows decode is reported to it too (its
+        prefill is part of what decoding costs per token: spec/adaptive.py). One that captured a
+        graph is not: charged, it made the arm before it look slow for many rounds (on the H200 at
+        batch 4, 5.2 ms of joins per round against 0.3 ms measured without them)."""
+        super()._observe_join(seconds, tokens, running)
+        if self.policy is not None and running and seconds is not None:
+            self.policy.observe_join(seconds)
 
     def _join(self, rows: list[Request], caches: list[StaticCache], tensors: dict[str, Tensor]) -> None:
         super()._join(rows, caches, tensors)
