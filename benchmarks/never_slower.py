@@ -43,7 +43,8 @@ def run_bench(args: argparse.Namespace, dataset: str, temperature: float) -> tup
            "--num-prompts", str(args.num_prompts), "--max-new-tokens", str(args.max_new_tokens),
            "--temperature", str(temperature), "--device", args.device, "--batch-sizes", args.batch_sizes,
            "--warmup", str(args.warmup), "--warmup-passes", str(args.warmup_passes), "--repeats", str(args.repeats),
-           *([] if args.stop_at_eos else ["--ignore-eos"]), "--json"]
+           *([] if args.stop_at_eos else ["--ignore-eos"]),
+           *([] if args.join_wait_rounds is None else ["--join-wait-rounds", str(args.join_wait_rounds)]), "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -60,6 +61,7 @@ def rows_of(result: dict) -> list[dict]:
         best = max(fixed, key=lambda name: fixed[name]["tokens_per_s"])
         out.append({
             "dataset": result["dataset"], "temperature": result["temperature"], "batch_size": bs,
+            "join_wait_rounds": result.get("join_wait_rounds"),
             "adaptive_speedup": adaptive["speedup"], "best_fixed_arm": best,
             "best_fixed_speedup": fixed[best]["speedup"],
             "adaptive_vs_best_fixed": adaptive["tokens_per_s"] / fixed[best]["tokens_per_s"],
@@ -70,6 +72,7 @@ def rows_of(result: dict) -> list[dict]:
             "plain_tokens_per_s": arms["plain"]["tokens_per_s"],
             # where the adaptive arm's time went beside plain decoding's (its drafter's work)
             "joins_s": {"adaptive": adaptive["time_in_joins_s"], "plain": arms["plain"]["time_in_joins_s"]},
+            "joins": {"adaptive": adaptive.get("joins"), "plain": arms["plain"].get("joins")},
             "steps_s": {"adaptive": adaptive["time_in_steps_s"], "plain": arms["plain"]["time_in_steps_s"]},
             "drafter_work": {k: adaptive.get(k) for k in ("catch_ups", "catch_up_s", "deferred_prefills", "spills")},
             "identical": adaptive["identical"],
@@ -168,6 +171,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="bench --repeats: timed runs per arm, interleaved")
     ap.add_argument("--stop-at-eos", action="store_true", help="let requests stop at EOS (by default bench runs "
                     "with --ignore-eos: at T > 0 the arms' answers differ, and so would their lengths and work)")
+    ap.add_argument("--join-wait-rounds", type=int, help="bench --join-wait-rounds (default: bench's): freed "
+                    "slots wait up to this many rounds to be refilled together; 0 joins at once")
     ap.add_argument("--out", help="write the rows and every bench run's full JSON here")
     ap.add_argument("--plot", help="write the speed-up plot (PNG) here")
     ap.add_argument("--merge", nargs="+", metavar="FILE", help="run nothing: combine the rows of earlier --out "
