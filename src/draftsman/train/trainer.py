@@ -22,12 +22,14 @@ from __future__ import annotations
 import abc
 import atexit
 import dataclasses
+import gc
 import json
 import math
 import os
 import random
 import shutil
 import signal
+import sys
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -141,6 +143,23 @@ def init_distributed(device: torch.device) -> DistInfo:
 def _destroy_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_distributed(code: int) -> None:
+    """End a torchrun rank after its work is done: wait for every rank, tear the group down, and
+    leave through os._exit. A rank that finished training aborted at interpreter exit in CI
+    ("terminate called without an active exception": a native thread still joinable when static
+    destructors ran), even with the group destroyed by atexit; torchrun then reports the whole run
+    failed. os._exit skips finalization and static destructors; everything written is flushed
+    first (checkpoints are closed files by now). One process (no group): returns."""
+    if not dist.is_initialized():
+        return
+    gc.collect()  # DDP's reducer holds the group: drop it before the group goes
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def all_sum(x: Tensor, info: DistInfo) -> Tensor:
