@@ -381,3 +381,26 @@ def test_train_scaling_benchmark_runs_the_arms_and_compares_them(target_dir, dat
     # offline trains on the dumped states: the same losses as online
     assert got["runs"]["offline"]["single"]["losses"] == pytest.approx(got["runs"]["online"]["single"]["losses"],
                                                                         rel=1e-5)
+
+
+def test_the_cli_ends_a_torchrun_rank_through_exit_distributed(monkeypatch):
+    """`draftsman` / `python -m draftsman.cli` (cli.run) leaves a process with a process group
+    through trainer.exit_distributed (a rank left to interpreter exit aborted in CI after
+    training was done); without a group it exits with main's code."""
+    import torch.distributed as dist
+
+    import draftsman.cli as cli
+    import draftsman.train.trainer as trainer
+
+    exits = []
+    monkeypatch.setattr(cli, "main", lambda: 0)
+    monkeypatch.setattr(trainer, "exit_distributed", lambda code: exits.append(code))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    with pytest.raises(SystemExit) as e:
+        cli.run()
+    assert exits == [0] and e.value.code == 0
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(cli, "main", lambda: 3)
+    with pytest.raises(SystemExit) as e:
+        cli.run()
+    assert exits == [0] and e.value.code == 3

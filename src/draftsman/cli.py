@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import NoReturn
 
 import torch
 
@@ -95,5 +96,17 @@ def main(argv: list[str] | None = None) -> int:
     return int(args.func(args) or 0)
 
 
+def run() -> NoReturn:
+    """The `draftsman` command (and `python -m draftsman.cli`, as torchrun starts it): main(), then
+    the exit; a torchrun rank leaves through trainer.exit_distributed with its process group."""
+    code = main()
+    dist = sys.modules.get("torch.distributed")  # (a group exists only if something imported it)
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        from draftsman.train.trainer import exit_distributed
+
+        exit_distributed(code)
+    raise SystemExit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run()

@@ -82,7 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from draftsman.train.trainer import TrainConfig, exit_distributed, train
+    from draftsman.train.trainer import TrainConfig, train
 
     if not args.data and not args.hidden_dir:
         raise SystemExit("error: give --data FILE(S) or --hidden-dir DIR")
@@ -117,5 +117,4 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print_json({"out": str(res.out), "global_step": res.global_step, "total_steps": res.total_steps,
                         "interrupted": res.interrupted, "losses": res.losses, "eval": res.last_eval})
-    exit_distributed(0)  # under torchrun: every rank ends here together (does not return)
     return 0

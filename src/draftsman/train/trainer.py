@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -145,18 +145,18 @@ def _destroy_group() -> None:
         dist.destroy_process_group()
 
 
-def exit_distributed(code: int) -> None:
-    """End a torchrun rank after its work is done: wait for every rank, tear the group down, and
-    leave through os._exit. A rank that finished training aborted at interpreter exit in CI
-    ("terminate called without an active exception": a native thread still joinable when static
-    destructors ran), even with the group destroyed by atexit; torchrun then reports the whole run
-    failed. os._exit skips finalization and static destructors; everything written is flushed
-    first (checkpoints are closed files by now). One process (no group): returns."""
-    if not dist.is_initialized():
-        return
-    gc.collect()  # DDP's reducer holds the group: drop it before the group goes
-    dist.barrier()
-    dist.destroy_process_group()
+def exit_distributed(code: int) -> NoReturn:
+    """End a torchrun rank whose command returned `code` (the CLI's exit, cli.run): after a
+    success wait for every rank and tear the group down, then leave through os._exit. A rank that
+    finished training aborted at interpreter exit in CI ("terminate called without an active
+    exception": a native thread still joinable when static destructors ran), even with the group
+    destroyed by atexit, and torchrun then reports the whole run failed. os._exit skips
+    finalization and static destructors; what was written is flushed first (checkpoints are
+    closed files by then)."""
+    if code == 0 and dist.is_initialized():
+        gc.collect()  # DDP's reducer holds the group: drop it before the group goes
+        dist.barrier()
+        dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
