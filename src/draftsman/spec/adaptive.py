@@ -170,7 +170,7 @@ class AdaptivePolicy:
     # changes what choose would answer, and the round that asks again times it.
     hold_rounds: int = 16
     max_explore_every: int = 1024  # ... doubling up to this while they change nothing
-    # Confidence probes: an arm whose optimistic rate (τ raised, round time lowered, by
+    # Confidence probes (batch 1): an arm whose optimistic rate (τ raised, round time lowered, by
     # confidence_z standard errors of what it has measured) beats the best arm's score is run
     # for a round, so a choice never rests on an arm's first few draws. At batch 1 a round's
     # acceptance is one draw (0..steps): on CPU with GSM8K the tree's τ read 2.25 after 4 rounds
@@ -396,8 +396,12 @@ class AdaptivePolicy:
                 self._probed[b] = self.current.get(b)
                 return probes[0]
         best = max(scores, key=lambda arm: scores[arm])
-        upper = self._optimistic(batch, scores[best], is_ready, self.confidence_z)
-        if upper:  # a confidence probe: one round, not made the bucket's choice
+        # A confidence probe: one round, not made the bucket's choice. At batch 1 only: there a
+        # round's acceptance is one draw and rows cannot finish apart; at larger batches a round
+        # brings as many draws, and a probe round sets rows of one budget apart (on the H100 at
+        # batch 16 one probe round left rows joining one by one, each join ~3 ms).
+        upper = self._optimistic(batch, scores[best], is_ready, self.confidence_z) if batch == 1 else {}
+        if upper:
             return max(upper, key=lambda arm: upper[arm])
         if not is_ready(best):
             # A capture costs several rounds: the best captured arm, unless the gain clearly pays
