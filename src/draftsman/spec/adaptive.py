@@ -299,8 +299,8 @@ class AdaptivePolicy:
             return None
         return tau / e.seconds if e.seconds is not None else self._borrowed(arm, batch, joins=False)
 
-    def _tau_upper(self, arm: SpecConfig, z: float) -> float | None:
-        """τ of a speculative arm raised by z standard errors of its rows' mean (per
+    def _tau_upper(self, arm: SpecConfig) -> float | None:
+        """τ of a speculative arm raised by confidence_z standard errors of its rows' mean (per
         sampling class, their spread shrunk towards prior_tau_sd x steps by prior_rows rows)."""
         tau = self.tau(arm)
         if tau is None:
@@ -311,33 +311,37 @@ class AdaptivePolicy:
             n, mean = self.tau_rows[key], self._mean_tau(key)
             spread = max(self.tau_squares[key] - n * mean * mean, 0.0)
             sd = ((spread + self.prior_rows * (self.prior_tau_sd * arm.steps) ** 2) / (n - 1 + self.prior_rows)) ** 0.5
-            total += rows * z * sd / n ** 0.5
+            total += rows * self.confidence_z * sd / n ** 0.5
         return tau + total / sum(self.mix.values())
 
-    def _seconds_lower(self, e: Estimate, z: float) -> float:
-        """An arm's round time lowered by z standard errors of its median (the relative
-        spread of its recent rounds, prior_time_sd until 3 are timed)."""
+    def _seconds_lower(self, e: Estimate) -> float:
+        """An arm's round time lowered by confidence_z standard errors of its median (the relative
+        spread of its recent rounds, prior_time_sd until 3 are timed; a median's standard error
+        is ~1.25 sigma / sqrt(m))."""
         m = len(e.recent)
         rel = self.prior_time_sd
         if m >= 3:
             mad = statistics.median(abs(x - e.seconds) for x in e.recent)
             rel = max(1.4826 * mad / e.seconds, 0.02)
-        return e.seconds * max(0.5, 1.0 - z * 1.25 * rel / m ** 0.5)
+        return e.seconds * max(0.5, 1.0 - self.confidence_z * 1.25 * rel / m ** 0.5)
 
-    def _optimistic(self, batch: int, best: float, is_ready: Callable[[SpecConfig | None], bool], z: float
+    def _optimistic(self, batch: int, best: float, is_ready: Callable[[SpecConfig | None], bool]
                     ) -> dict[SpecConfig, float]:
-        """The speculative arms whose optimistic score (τ raised, round time lowered, by z standard
-        errors) beats `best` by switch_margin, with that score: arms timed in this bucket, not
-        the bucket's current choice, and ready (a capture costs several rounds)."""
-        upper = {}
+        """The speculative arms whose optimistic score (τ raised, round time lowered, by
+        confidence_z standard errors) beats `best` by switch_margin, with that score: arms timed
+        in this bucket, not the bucket's current choice, and ready (a capture costs several
+        rounds). None with confidence_z 0."""
+        upper: dict[SpecConfig, float] = {}
+        if self.confidence_z <= 0:
+            return upper
         for arm in self.candidates:
             e = self.estimate(arm, batch)
-            if z <= 0 or e.seconds is None or arm == self.current.get(bucket(batch)):
+            if e.seconds is None or arm == self.current.get(bucket(batch)):
                 continue
-            tau = self._tau_upper(arm, z)
+            tau = self._tau_upper(arm)
             if tau is None:
                 continue
-            score = self._score(arm, tau / (self._seconds_lower(e, z) + self.join_seconds(arm, batch)), batch)
+            score = self._score(arm, tau / (self._seconds_lower(e) + self.join_seconds(arm, batch)), batch)
             if score > best * (1 + self.switch_margin) and is_ready(arm):
                 upper[arm] = score
         return upper
@@ -400,7 +404,7 @@ class AdaptivePolicy:
         # round's acceptance is one draw and rows cannot finish apart; at larger batches a round
         # brings as many draws, and a probe round sets rows of one budget apart (on the H100 at
         # batch 16 one probe round left rows joining one by one, each join ~3 ms).
-        upper = self._optimistic(batch, scores[best], is_ready, self.confidence_z) if batch == 1 else {}
+        upper = self._optimistic(batch, scores[best], is_ready) if batch == 1 else {}
         if upper:
             return max(upper, key=lambda arm: upper[arm])
         if not is_ready(best):
