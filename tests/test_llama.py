@@ -122,15 +122,19 @@ def test_fused_projections_compute_the_same_and_keep_names(tiny_llama_dir):
 
 
 def test_decode_linear_swaps_class_only_and_off_gpu_is_linear(tiny_llama_dir):
-    """use_gemv changes classes, not parameters; off CUDA (and for many rows) DecodeLinear is
-    exactly F.linear. The Triton path itself: tests/test_kernels.py (-m gpu)."""
-    from draftsman.models.layers import DecodeLinear, use_gemv
+    """use_gemv / use_cpu_packing change classes, not parameters; back on nn.Linear a CPU model
+    computes F.linear, within fp32 rounding of the packed oneDNN products (tests/test_cpu_packing.py).
+    The Triton path itself: tests/test_kernels.py (-m gpu)."""
+    from draftsman.models.layers import CPU_PACK, DecodeLinear, use_cpu_packing, use_gemv
 
     model = draftsman.load_target(tiny_llama_dir)
     ids = torch.randint(0, model.config.vocab_size, (1, 6))
     before = model(ids)
     o = model.layers[0].self_attn.o_proj
-    o.__class__ = DecodeLinear
+    assert type(o) is (DecodeLinear if CPU_PACK else torch.nn.Linear)
+    use_gemv(model, on=False)
+    torch.testing.assert_close(model(ids), before, rtol=1e-5, atol=1e-5)
+    use_cpu_packing(model)
     torch.testing.assert_close(model(ids), before, rtol=0, atol=0)
     use_gemv(model, on=False)
     assert type(o) is torch.nn.Linear and type(model.layers[0].self_attn.qkv_proj) is torch.nn.Linear

@@ -172,24 +172,31 @@ def served_model(url: str, api_key: str | None = None) -> str:
 
 
 def bench_server(cfg: ClientConfig, prompts: Sequence[str], concurrencies: Sequence[int], *,
-                 baseline: ClientConfig | None = None, warmup: int = 0,
+                 baseline: ClientConfig | None = None, warmup: int = 0, repeats: int = 1,
                  on_finish: Callable[[], None] | None = None) -> tuple[list[dict], list[str]]:
-    """The served configuration (and a plain baseline server) at each concurrency.
-    Returns (arm dicts, notes)."""
+    """The served configuration (and a plain baseline server) at each concurrency. With repeats
+    > 1 each server runs the prompts that many times, the runs going round the servers (each
+    round starting one further on), and reports its run of median duration (`durations_s`:
+    all of them), so a noisy machine's drift falls on both alike. Returns (arm dicts, notes)."""
     arms: list[dict] = []
     notes: list[str] = []
     greedy = cfg.temperature == 0
     for c in concurrencies:
         runs = [("server", "served", cfg)] + ([("baseline", "plain", baseline)] if baseline else [])
+        if warmup:
+            for _, _, server in runs:
+                asyncio.run(run_concurrent(server, prompts[:warmup], c))
+        timed: dict[str, list[tuple[float, list[Trace], str | None, str | None]]] = {name: [] for name, _, _ in runs}
+        for rep in range(repeats):
+            for name, _, server in runs[rep % len(runs):] + runs[: rep % len(runs)]:
+                before = fetch_metrics(server.base_url, server.api_key)
+                traces, duration = asyncio.run(run_concurrent(server, prompts, c, on_finish))
+                timed[name].append((duration, traces, before, fetch_metrics(server.base_url, server.api_key)))
         results = {}
         for name, kind, server in runs:
-            if warmup:
-                asyncio.run(run_concurrent(server, prompts[:warmup], c))
-            before = fetch_metrics(server.base_url, server.api_key)
-            traces, duration = asyncio.run(run_concurrent(server, prompts, c, on_finish))
-            after = fetch_metrics(server.base_url, server.api_key)
+            duration, traces, before, after = sorted(timed[name], key=lambda r: r[0])[(len(timed[name]) - 1) // 2]
             arm = {"arm": name, "kind": kind, "spec": None, "batch_size": c, "url": server.base_url,
-                   **latency_summary(traces, duration)}
+                   **latency_summary(traces, duration), "durations_s": [round(r[0], 6) for r in timed[name]]}
             arm |= acceptance_for(traces, before, after, kind, notes)
             arm["finish_reasons"] = count_reasons(traces)
             if not all(t.counted_by_usage for t in traces):

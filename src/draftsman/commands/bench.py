@@ -43,7 +43,8 @@ same run (CUDA only).
 Output: a table, and with --json one JSON object as the last stdout line. Top-level keys:
   mode                "in-process" | "client"
   dataset, num_prompts, max_new_tokens, temperature, top_p, top_k, seed, chat, ignore_eos, warmup, warmup_passes,
-  repeats, join_wait_rounds (in-process; null in client mode)
+  repeats             timed runs per arm
+  join_wait_rounds    in-process (null in client mode)
   batch_sizes         [int]  (client: concurrencies)
   target, drafter, device, dtype        in-process (null in client mode)
   server_url, baseline_url, model       client mode (null in-process)
@@ -91,7 +92,7 @@ Output: a table, and with --json one JSON object as the last stdout line. Top-le
     session_steps, time_in_steps_s, joins, time_in_joins_s, time_elsewhere_s
                         in-process: where duration_s went: rounds (session steps), prefills of
                         newcomers joining the batch, and the rest (emitting tokens, bookkeeping)
-    durations_s         in-process: every timed run's duration (--repeats; the reported run is
+    durations_s         every timed run's duration (--repeats; the reported run is
                         the one of median duration)
     catch_ups, catch_up_s
                         spec-adaptive: the drafter's catch-ups after plain rounds in the
@@ -176,8 +177,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="in-process: the most rounds freed batch slots wait to be refilled together, as the server "
                    "does (draftsman/joins.py; default 8; 0: waiting requests join at once)")
     p.add_argument("--repeats", type=int, default=1,
-                   help="in-process: timed runs per arm (default 1); with more, every arm is warmed up first and "
-                        "the runs go round the arms (each round starting one arm further on), each arm reporting "
+                   help="timed runs per arm (default 1); with more, every arm is warmed up first and "
+                        "the runs go round the arms (client: the server and the baseline) (each round starting one arm further on), each arm reporting "
                         "its run of median duration (drift of a noisy machine then falls on every arm alike; "
                         "every arm's session stays alive meanwhile)")
     p.add_argument("--timeout", type=float, default=600.0, help="client: seconds per request (default 600)")
@@ -359,10 +360,11 @@ def run_client(args: argparse.Namespace, prompts: list[str], batch_sizes: list[i
                                        max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                                        top_k=cfg.top_k, seed=cfg.seed, api_key=cfg.api_key, timeout_s=cfg.timeout_s)
         result["model"] = model
-        total = len(prompts) * len(batch_sizes) * (2 if baseline else 1)
+        total = len(prompts) * len(batch_sizes) * (2 if baseline else 1) * args.repeats
         with progress_bar(total) as bar:
             arms, notes = bc.bench_server(cfg, prompts, batch_sizes, baseline=baseline,
-                                          warmup=min(args.warmup, len(prompts)), on_finish=lambda: bar.update(1))
+                                          warmup=min(args.warmup, len(prompts)), repeats=args.repeats,
+                                          on_finish=lambda: bar.update(1))
     except (bc.ServerError, bc.httpx.HTTPError) as e:
         raise SystemExit(f"error: {e}") from None
     if not baseline:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from contextlib import nullcontext
 
 import torch
@@ -20,17 +21,72 @@ GEMV_MAX_OUT = 8192
 
 
 class DecodeLinear(nn.Linear):
-    """An inference nn.Linear (same parameters and state_dict) whose one-row products on CUDA in
-    bf16/fp16 run draftsman's Triton GEMV (kernels/gemv.py) where that measured faster than
-    cuBLAS; everything else is F.linear."""
+    """An inference nn.Linear (same parameters and state_dict) whose products run where they
+    measured fastest: one-row products on CUDA in bf16/fp16 on draftsman's Triton GEMV
+    (kernels/gemv.py) where that beat cuBLAS; on CPU, oneDNN over a copy of the weight reordered
+    once into its blocked layout (cpu_packed_linear); everything else is F.linear."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if (x.is_cuda and x.numel() == self.in_features and self.bias is None and self.out_features <= GEMV_MAX_OUT
-                and x.dtype in (torch.bfloat16, torch.float16)):
-            from draftsman.kernels.gemv import gemv
+        if x.is_cuda:
+            if (x.numel() == self.in_features and self.bias is None and self.out_features <= GEMV_MAX_OUT
+                    and x.dtype in (torch.bfloat16, torch.float16) and triton_available()):
+                from draftsman.kernels.gemv import gemv
 
-            return gemv(x.reshape(1, -1), self.weight).view(*x.shape[:-1], self.out_features)
+                return gemv(x.reshape(1, -1), self.weight).view(*x.shape[:-1], self.out_features)
+        elif cpu_packs(self, x):
+            return cpu_packed_linear(self, x)
         return F.linear(x, self.weight, self.bias)
+
+
+# CPU products through oneDNN with the weight reordered once (what vLLM's CPU backend does):
+# MKL's sgemm under F.linear reads a [N, K] weight at a fraction of the bandwidth for the few rows
+# of decode and verify steps. SmolLM2-135M's 121 projections of a step, fp32, 2 cores of this
+# project's AMD EPYC (benchmarks/cpu_linear_rows.py): F.linear 46 / 67-86 / 73-87 ms at 1 / 4 /
+# 8 rows, packed 28-34 / 22-45 / 23-41 ms. DRAFTSMAN_CPU_PACK=0 (read at import) turns it off.
+CPU_PACK = os.environ.get("DRAFTSMAN_CPU_PACK", "1") != "0" and torch.backends.mkldnn.is_available()
+# The row count oneDNN's reorder plans the blocked layout for; one packing serves every count
+# (16 measured as fast as 1 at one row, and faster from 4 up).
+CPU_PACK_ROWS = 16
+
+
+def cpu_packs(linear: nn.Linear, x: Tensor) -> bool:
+    """Whether DecodeLinear runs x on the packed CPU path: CPU_PACK, fp32/bf16 input and weight
+    alike, no gradient wanted, not inside torch.compile (inductor packs weights itself)."""
+    return (CPU_PACK and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and linear.weight.dtype == x.dtype and not linear.weight.requires_grad
+            and not (x.requires_grad and torch.is_grad_enabled()) and not torch.compiler.is_compiling())
+
+
+def cpu_packed_linear(linear: nn.Linear, x: Tensor) -> Tensor:
+    """F.linear(x, weight, bias) through oneDNN on a reordered copy of the weight, made on first
+    use (so only the projections a forward runs are packed: not q/k/v once fused into qkv) and
+    again whenever the weight is written in place (its version counter moves). The copy doubles
+    the memory of each packed weight."""
+    w = linear.weight
+    packed = linear.__dict__.get("_cpu_packed")
+    if packed is None or packed[0] != w._version or packed[1] != w.data_ptr():
+        packed = (w._version, w.data_ptr(), torch.ops.mkldnn._reorder_linear_weight(w.detach(), CPU_PACK_ROWS))
+        linear.__dict__["_cpu_packed"] = packed
+    bias = linear.bias.detach() if linear.bias is not None else None
+    return torch.ops.mkldnn._linear_pointwise(x, packed[2], bias, "none", [], "")
+
+
+def use_cpu_packing(model: nn.Module, on: bool = True) -> None:
+    """Route an inference model's CPU products to oneDNN with packed weights (DecodeLinear), or
+    back to nn.Linear; only the class changes (the packed copies are made on first use).
+    No-op where CPU_PACK is off or for trainable weights."""
+    if on and not CPU_PACK:
+        return
+    for m in inference_linears(model):
+        if m.weight.device.type == "cpu":
+            m.__class__ = DecodeLinear if on else nn.Linear
+            m.__dict__.pop("_cpu_packed", None)
+
+
+def inference_linears(model: nn.Module) -> list[nn.Linear]:
+    """A model's frozen nn.Linear/DecodeLinear modules, the fused projections among them."""
+    mods = list(model.modules()) + [getattr(m, a) for m in model.modules() for a in FUSED_ATTRS if hasattr(m, a)]
+    return [m for m in mods if type(m) in (nn.Linear, DecodeLinear) and not m.weight.requires_grad]
 
 
 # Fused projections kept as plain attributes (not submodules) by the modules' `fuse`.
@@ -42,10 +98,8 @@ def use_gemv(model: nn.Module, on: bool = True) -> None:
     nn.Linear; only the class changes. No-op without Triton or for trainable weights."""
     if on and not triton_available():
         return
-    for m in list(model.modules()) + [getattr(m, a) for m in model.modules() for a in FUSED_ATTRS
-                                      if hasattr(m, a)]:
-        if type(m) in (nn.Linear, DecodeLinear) and not m.weight.requires_grad:
-            m.__class__ = DecodeLinear if on else nn.Linear
+    for m in inference_linears(model):
+        m.__class__ = DecodeLinear if on else nn.Linear
 
 
 class RMSNorm(nn.Module):
@@ -86,12 +140,14 @@ class SwiGLU(nn.Module):
 
 def fuse_projections(model: nn.Module) -> None:
     """Fuse every submodule's same-input projections (its `fuse`: q/k/v, gate/up), for
-    inference, and route batch-1 GEMVs to the Triton kernel where it pays (use_gemv);
+    inference, and route batch-1 GEMVs to the Triton kernel where it pays (use_gemv) and CPU
+    products to oneDNN with packed weights (use_cpu_packing);
     parameter names, values and the state_dict are unchanged."""
     for module in model.modules():
         if module is not model and hasattr(module, "fuse"):
             module.fuse()
     use_gemv(model)
+    use_cpu_packing(model)
 
 
 def qkv_sizes(attn: nn.Module) -> list[int]:
