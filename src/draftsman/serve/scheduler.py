@@ -30,6 +30,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from itertools import zip_longest
 
+import torch
+
 from draftsman.serve.metrics import ServeMetrics
 from draftsman.session import DecodeSession, Event, Request
 
@@ -79,9 +81,11 @@ class Scheduler:
     """Continuous batching over `DecodeSession`s in a background thread."""
 
     def __init__(self, new_session: SessionFactory, max_batch_size: int, metrics: ServeMetrics,
-                 draft_tokens_per_round: int = 0, join_wait_rounds: int = 8) -> None:
+                 draft_tokens_per_round: int = 0, join_wait_rounds: int = 8, threads: int | None = None) -> None:
         """join_wait_rounds: the most rounds freed slots wait to be refilled together (the shared
-        session's joins.JoinCoalescer decides; 0: waiting requests join at once)."""
+        session's joins.JoinCoalescer decides; 0: waiting requests join at once). threads: the
+        intra-op (OpenMP) threads the scheduler thread computes with, set when it starts (None:
+        the process's setting); see commands/serve.py for why the loading thread keeps one."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if join_wait_rounds < 0:
@@ -91,6 +95,7 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.metrics = metrics
         self.draft_tokens_per_round = draft_tokens_per_round  # 0: plain decoding
+        self.threads = threads
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._cancelled: set[Hashable] = set()
@@ -148,6 +153,8 @@ class Scheduler:
 
     # ---- the scheduler thread --------------------------------------------------------------------
     def _run(self) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._stopping or self._waiting or self._cancelled

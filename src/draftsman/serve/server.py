@@ -59,6 +59,7 @@ def build_state(
     adaptive: bool = False,
     candidates=None,
     join_wait_rounds: int = 8,
+    threads: int | None = None,
 ) -> ServeState:
     """Wire a loaded target (and drafter) to a scheduler, metrics and the tokenizer.
 
@@ -69,7 +70,7 @@ def build_state(
     every round speculates with it.
 
     join_wait_rounds: the most rounds freed batch slots wait to be refilled together
-    (joins.JoinCoalescer; 0: at once).
+    (joins.JoinCoalescer; 0: at once). threads: intra-op threads of the scheduler thread (Scheduler).
 
     max_model_len bounds prompt + generated tokens of one request (a cache row has this many
     slots); it defaults to the target's max_position_embeddings capped at DEFAULT_MAX_MODEL_LEN,
@@ -103,7 +104,7 @@ def build_state(
             new_session = lambda seed: SpecSession(model, drafter, None, max_len, seed, policy=policy)  # noqa: E731
         steps, per_round = max(c.steps for c in shapes), max(c.draft_tokens for c in shapes) - 1
         metrics.init_positions(steps)
-    scheduler = Scheduler(new_session, max_batch_size, metrics, per_round, join_wait_rounds)
+    scheduler = Scheduler(new_session, max_batch_size, metrics, per_round, join_wait_rounds, threads)
     return ServeState(scheduler=scheduler, metrics=metrics, tokenizer=tokenizer, eos_ids=eos_ids,
                       vocab_size=model.config.vocab_size, model_name=model_name, max_model_len=max_len,
                       api_key=api_key or None, spec_steps=steps, draft_tokens_per_round=per_round)
