@@ -1,47 +1,83 @@
-"""What a verify forward costs on a CPU against a one-token step: all 211 linears of
-SmolLM2-135M (30 layers x q, k, v, o, gate, up, down, and the 49152-wide lm_head) at M rows of
-input, float32 against bfloat16, on random weights (the shapes are what matter). On CPUs with
-AMX-bf16, bf16 costs about the same at 1 and 32 rows; fp32 does not.
+"""What a decode or verify forward's projections cost on a CPU at M rows of input: the 121
+products draftsman runs for SmolLM2-135M (30 layers x fused q/k/v, o, fused gate/up, down, and
+the 49152-wide lm_head), through `F.linear` (MKL under the hood) and through draftsman's
+DecodeLinear, which runs them on oneDNN with the weights reordered once into its blocked layout
+(layers.cpu_packed_linear), float32 and bfloat16, random weights (the shapes are what matter).
+The two arms alternate pass by pass, so a noisy machine's drift falls on both alike.
 
-    python benchmarks/cpu_linear_rows.py > benchmarks/results/cpu_linear_rows.json
+    python benchmarks/cpu_linear_rows.py --out benchmarks/results/cpu_linear_rows.json
 
-Prints one JSON line: {"torch_threads", "ms": {"float32": {M: ms}, "bfloat16": {M: ms}}} (the
-median of 5 passes after 2 untimed ones).
+Prints one JSON line: {"torch_threads", "cpu", "ms": {dtype: {arm: {M: ms}}}, "packed_speedup":
+{dtype: {M: F.linear ms / packed ms}}} (per arm the median of --passes timed passes, after 2
+untimed ones).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import platform
+import sys
 import time
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
-HIDDEN, INTERMEDIATE, LAYERS, VOCAB, KV = 576, 1536, 30, 49152, 192
-SHAPES = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (INTERMEDIATE, HIDDEN),
-          (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)] * LAYERS + [(VOCAB, HIDDEN)]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from draftsman.models.layers import use_cpu_packing
+
+HIDDEN, INTERMEDIATE, LAYERS, VOCAB, QKV = 576, 1536, 30, 49152, 576 + 2 * 192
+SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)] * LAYERS + [
+    (VOCAB, HIDDEN)]
+ROWS = (1, 2, 4, 8, 16, 32)
 
 
-def time_pass(weights: list[torch.Tensor], inputs: dict[int, torch.Tensor]) -> float:
+def linears(dtype: torch.dtype, packed: bool) -> list[nn.Linear]:
+    torch.manual_seed(0)
+    mods = [nn.Linear(k, n, bias=False).to(dtype).requires_grad_(False) for n, k in SHAPES]
+    for m in mods:
+        use_cpu_packing(m, on=packed)
+    return mods
+
+
+def time_pass(mods: list[nn.Linear], inputs: dict[int, torch.Tensor]) -> float:
     start = time.perf_counter()
-    for w in weights:
-        F.linear(inputs[w.shape[1]], w)
+    for m in mods:
+        m(inputs[m.in_features])
     return time.perf_counter() - start
 
 
-def main() -> None:
-    torch.manual_seed(0)
-    out: dict[str, dict[int, float]] = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        weights = [torch.randn(n, k, dtype=dtype) * 0.02 for n, k in SHAPES]
-        name = str(dtype).removeprefix("torch.")
-        out[name] = {}
-        for rows in (1, 2, 4, 6, 8, 16, 32):
-            inputs = {k: torch.randn(rows, k, dtype=dtype) for k in (HIDDEN, INTERMEDIATE)}
-            for _ in range(2):
-                time_pass(weights, inputs)
-            out[name][rows] = round(1e3 * sorted(time_pass(weights, inputs) for _ in range(5))[2], 1)
-    print(json.dumps({"torch_threads": torch.get_num_threads(), "ms": out}))
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--passes", type=int, default=7)
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    ms: dict[str, dict[str, dict[int, float]]] = {}
+    speedup: dict[str, dict[int, float]] = {}
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.bfloat16):
+            name = str(dtype).removeprefix("torch.")
+            arms = {"F.linear": linears(dtype, False), "packed": linears(dtype, True)}
+            ms[name] = {arm: {} for arm in arms}
+            for rows in ROWS:
+                inputs = {k: torch.randn(rows, k, dtype=dtype) for k in (HIDDEN, INTERMEDIATE)}
+                times: dict[str, list[float]] = {arm: [] for arm in arms}
+                for i in range(args.passes + 2):
+                    for arm, mods in arms.items():
+                        t = time_pass(mods, inputs)
+                        if i >= 2:
+                            times[arm].append(t)
+                for arm in arms:
+                    ms[name][arm][rows] = round(1e3 * sorted(times[arm])[len(times[arm]) // 2], 2)
+            speedup[name] = {r: round(ms[name]["F.linear"][r] / ms[name]["packed"][r], 3) for r in ROWS}
+    result = {"torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+              "ms": ms, "packed_speedup": speedup}
+    line = json.dumps(result)
+    if args.out:
+        Path(args.out).write_text(line + "\n")
+    print(line)
 
 
 if __name__ == "__main__":

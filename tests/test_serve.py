@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from test_cli_generate import make_tokenizer
@@ -643,3 +644,19 @@ def test_cli_serve_subprocess_and_sigterm(dirs, tmp_path):
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_the_scheduler_thread_computes_with_the_threads_it_is_given(dirs, model, monkeypatch):
+    """build_state(threads=N): decoding rounds run with N intra-op threads, whatever the loading
+    thread keeps (draftsman serve leaves it one on CPU: commands/serve.py says why)."""
+    seen = []
+    step = PlainSession.step
+    monkeypatch.setattr(PlainSession, "step", lambda self: seen.append(torch.get_num_threads()) or step(self))
+    before = torch.get_num_threads()
+    want = 1 if before > 1 else 2
+    state = build_state(model, load_tokenizer(dirs[0]), EOS, max_model_len=MAX_LEN, model_name="threads",
+                        threads=want)
+    with LiveServer(state) as server:
+        r = httpx.post(server.url + C, json={"prompt": [5, 6], "max_tokens": 3, "temperature": 0}, timeout=60)
+    assert r.status_code == 200 and seen and set(seen) == {want}
+    assert torch.get_num_threads() == before  # (this thread's own setting is untouched)

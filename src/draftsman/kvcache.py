@@ -85,12 +85,19 @@ class StaticCache:
     def capacity(self) -> int:
         return next(iter(self._base.values())).shape[1]
 
-    def select_rows(self, rows: Tensor) -> None:
+    # append_rows takes caches of fewer slots (a newcomer's prefill sized to its prompt)
+    appends_shorter = True
+
+    def select_rows(self, rows: Tensor, slots: int | None = None) -> None:
         """Keep only the given batch rows (in that order), moved to the front in place: requests
-        leaving a running batch."""
+        leaving a running batch. slots: only slots below this hold anything the rows still need
+        (the rest is copied over only up to it: a server's rows have thousands of slots, and
+        moving them all on every leave cost more than decoding on CPU); the slots past it keep
+        whatever they held, which no mask lets a token see before it is written again."""
         k = int(rows.numel())
+        s = self.max_len if slots is None else max(0, min(slots, self.max_len))
         for name, base in self._base.items():
-            base[:, :k] = self.buffers[name][:, rows]  # gathered before written: overlap is safe
+            base[:, :k, :s] = self.buffers[name][:, rows, :s]  # gathered before written: overlap is safe
         self.buffers = {name: base[:, :k] for name, base in self._base.items()}
         self.batch_size = k
 
@@ -123,14 +130,16 @@ class StaticCache:
             self._buffers, self._layers, self.batch_size = saved
 
     def append_rows(self, other: StaticCache) -> None:
-        """Add the rows of `other` (same layers and length) after this cache's rows: requests
-        joining a running batch. The allocation grows (to a power of two) only when full."""
-        if (other.num_layers, other.max_len) != (self.num_layers, self.max_len):
-            raise ValueError("appended cache rows must have the same layers and max_len")
-        b, m = self.batch_size, other.batch_size
+        """Add the rows of `other` (same layers, at most as many slots) after this cache's rows:
+        requests joining a running batch; slots past other's keep whatever they held (see
+        select_rows). The allocation grows (to a power of two) only when full."""
+        if other.num_layers != self.num_layers or other.max_len > self.max_len:
+            raise ValueError(f"appended cache rows must have the same layers ({self.num_layers}) and at most "
+                             f"{self.max_len} slots, got {other.num_layers} layers and {other.max_len} slots")
+        b, m, s = self.batch_size, other.batch_size, other.max_len
         self.reserve(b + m)
         for name, base in self._base.items():
-            base[:, b : b + m] = other.buffers[name]
+            base[:, b : b + m, :s] = other.buffers[name]
         self.buffers = {name: base[:, : b + m] for name, base in self._base.items()}
         self.batch_size = b + m
 

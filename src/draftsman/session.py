@@ -320,6 +320,16 @@ class DecodeSession(abc.ABC):
             self._stageable = hasattr(self.target.new_cache(1, 1), "buffers")
         return self._stageable
 
+    def prefill_slots(self, full: int, columns: int) -> int:
+        """Slots of an eager prefill's cache that a running session would allocate `full` slots:
+        the prompt's columns plus the cache's scratch past max_len, where the rows then join the
+        session's caches (StaticCache.append_rows takes shorter ones; a server's rows have
+        thousands of slots, zeroed and copied whole on every join before); `full` for the first
+        prefill, whose caches become the session's."""
+        if not self.caches or not getattr(self.caches[0], "appends_shorter", False):
+            return full
+        return min(full, columns + full - self.max_len)
+
     def staging(self, name: str, new_cache, rows: int) -> StaticCache:
         """The session's staging cache `name` (made by new_cache(rows) once, then reused, so
         graphs captured over it replay), presenting `rows` rows."""
@@ -363,9 +373,12 @@ class DecodeSession(abc.ABC):
         self._changes += 1
         self.roster += 1
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        used = max(len(self.rows[i].prompt) + len(self.rows[i].state.tokens) for i in keep) if keep else 0
         self.rows = [self.rows[i] for i in keep]
         for cache in self.caches:
-            cache.select_rows(idx)
+            # Every slot a row still needs lies below its tokens so far plus the scratch its
+            # cache was allocated past max_len for.
+            cache.select_rows(idx, slots=used + cache.max_len - self.max_len)
         self.tensors = {k: v[idx] for k, v in self.tensors.items()}
 
 
@@ -379,7 +392,7 @@ class PlainSession(DecodeSession):
             logits, = self.run_step(self.target, ("prefill",), self.staged_target_prefill(cache), [cache], ids=ids,
                                     last=last)
         else:
-            cache = self.target.new_cache(ids.shape[0], self.max_len)
+            cache = self.target.new_cache(ids.shape[0], self.prefill_slots(self.max_len, ids.shape[1]))
             logits = self.target(ids, cache=cache, logits_index=last)[:, 0]
         greedy = bool((sampling["temperature"] == 0).all())
         first = self.sample_next(logits, sampling, greedy)

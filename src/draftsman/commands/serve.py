@@ -109,9 +109,12 @@ def run(args: argparse.Namespace) -> int:
     # cores and its workers sleep after a few spins, so each small parallel region waits for a
     # wake-up. On this project's 2-core CPU that made SmolLM2's projections 1.7x slower in the
     # scheduler thread (a 3072x576 product 145 us against 85 us) and its decode step 48-52 ms
-    # against 37-39 ms. This thread keeps one intra-op thread; the scheduler's get them all.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    # against 37-39 ms. This thread keeps one intra-op thread; the scheduler's get them all (on
+    # CPU: a GPU server's forwards are launches, and its load may convert weights on the host).
+    threads = None
+    if device.type == "cpu":
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
     try:
         state = load_state(args.target, args.drafter, spec, device=device,
                            dtype=resolve_dtype(args.dtype, device), max_model_len=args.max_model_len,

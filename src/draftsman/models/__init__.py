@@ -285,7 +285,9 @@ class ShardedCache(StaticCache):
                 rows = torch.arange(s.shape[0], device=buf.device)[:, None]
                 buf[rows, d] = buf[rows, s]
 
-    def select_rows(self, rows: Tensor) -> None:
+    appends_shorter = False  # (append_rows needs caches of the same length)
+
+    def select_rows(self, rows: Tensor, slots: int | None = None) -> None:
         for bufs in self.layers:
             for name, buf in bufs.items():
                 bufs[name] = buf[rows.to(buf.device)].contiguous()

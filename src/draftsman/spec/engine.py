@@ -137,8 +137,8 @@ class SpecSession(DecodeSession):
                                           self.staged_target_prefill(t_cache, self.aux_ids), [t_cache], ids=ids,
                                           last=last)
         else:
-            t_cache = self.target.new_cache(b, self.max_len + t_extra)
-            d_cache = self.drafter.new_cache(b, self.max_len + d_extra)
+            t_cache = self.target.new_cache(b, self.prefill_slots(self.max_len + t_extra, t))
+            d_cache = self.drafter.new_cache(b, self.prefill_slots(self.max_len + d_extra, t))
             out = self.target.run(ids, cache=t_cache, aux_layer_ids=self.aux_ids, logits_index=last)
             logits, feats = out.logits[:, 0], torch.cat(out.aux_hidden, -1)
         first = self.sample_next(logits, sampling, bool((sampling["temperature"] == 0).all()))
