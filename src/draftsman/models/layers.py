@@ -41,8 +41,8 @@ class DecodeLinear(nn.Linear):
 # CPU products through oneDNN with the weight reordered once (what vLLM's CPU backend does):
 # MKL's sgemm under F.linear reads a [N, K] weight at a fraction of the bandwidth for the few rows
 # of decode and verify steps. SmolLM2-135M's 121 projections of a step, fp32, 2 cores of this
-# project's AMD EPYC (benchmarks/cpu_linear_rows.py): F.linear 46 / 67-86 / 73-87 ms at 1 / 4 /
-# 8 rows, packed 28-34 / 22-45 / 23-41 ms. DRAFTSMAN_CPU_PACK=0 (read at import) turns it off.
+# project's AMD EPYC (benchmarks/cpu_linear_rows.py): F.linear 49.1 / 65.9 / 63.0 ms at 1 / 4 /
+# 8 rows, packed 26.1 / 24.1 / 29.0 ms. DRAFTSMAN_CPU_PACK=0 (read at import) turns it off.
 CPU_PACK = os.environ.get("DRAFTSMAN_CPU_PACK", "1") != "0" and torch.backends.mkldnn.is_available()
 # The row count oneDNN's reorder plans the blocked layout for; one packing serves every count
 # (16 measured as fast as 1 at one row, and faster from 4 up).
