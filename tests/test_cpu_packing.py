@@ -62,3 +62,19 @@ def test_unpacking_drops_the_copies():
     lin(torch.randn(1, 48))
     use_cpu_packing(lin, on=False)
     assert type(lin) is nn.Linear and "_cpu_packed" not in lin.__dict__
+
+
+def test_a_product_onednn_refuses_falls_back_to_linear(monkeypatch):
+    """Where oneDNN cannot pack (some CPU or dtype it has no kernel for), F.linear, with a warning."""
+    lin = frozen_linear(32, 48, True, torch.float32)
+
+    def refuse(*args):
+        raise RuntimeError("could not create a primitive descriptor")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    x = torch.randn(3, 48)
+    with pytest.warns(UserWarning, match="oneDNN refused"):
+        out = lin(x)
+    torch.testing.assert_close(out, F.linear(x, lin.weight, lin.bias), rtol=0, atol=0)
+    assert lin.__dict__["_cpu_packed"] is False
+    torch.testing.assert_close(lin(x), out, rtol=0, atol=0)  # (no second try, no second warning)

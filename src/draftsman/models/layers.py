@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from contextlib import nullcontext
 
 import torch
@@ -34,7 +35,9 @@ class DecodeLinear(nn.Linear):
 
                 return gemv(x.reshape(1, -1), self.weight).view(*x.shape[:-1], self.out_features)
         elif cpu_packs(self, x):
-            return cpu_packed_linear(self, x)
+            out = cpu_packed_linear(self, x)
+            if out is not None:
+                return out
         return F.linear(x, self.weight, self.bias)
 
 
@@ -57,18 +60,29 @@ def cpu_packs(linear: nn.Linear, x: Tensor) -> bool:
             and not (x.requires_grad and torch.is_grad_enabled()) and not torch.compiler.is_compiling())
 
 
-def cpu_packed_linear(linear: nn.Linear, x: Tensor) -> Tensor:
+def cpu_packed_linear(linear: nn.Linear, x: Tensor) -> Tensor | None:
     """F.linear(x, weight, bias) through oneDNN on a reordered copy of the weight, made on first
     use (so only the projections a forward runs are packed: not q/k/v once fused into qkv) and
     again whenever the weight is written in place (its version counter moves). The copy doubles
-    the memory of each packed weight."""
+    the memory of each packed weight. None where oneDNN refused the first product (warned once;
+    the caller computes F.linear, and this module no longer tries)."""
     w = linear.weight
     packed = linear.__dict__.get("_cpu_packed")
-    if packed is None or packed[0] != w._version or packed[1] != w.data_ptr():
-        packed = (w._version, w.data_ptr(), torch.ops.mkldnn._reorder_linear_weight(w.detach(), CPU_PACK_ROWS))
-        linear.__dict__["_cpu_packed"] = packed
+    if packed is False:
+        return None
     bias = linear.bias.detach() if linear.bias is not None else None
-    return torch.ops.mkldnn._linear_pointwise(x, packed[2], bias, "none", [], "")
+    if packed is not None and packed[0] == w._version and packed[1] == w.data_ptr():
+        return torch.ops.mkldnn._linear_pointwise(x, packed[2], bias, "none", [], "")
+    try:
+        packed = (w._version, w.data_ptr(), torch.ops.mkldnn._reorder_linear_weight(w.detach(), CPU_PACK_ROWS))
+        out = torch.ops.mkldnn._linear_pointwise(x, packed[2], bias, "none", [], "")
+    except RuntimeError as e:
+        linear.__dict__["_cpu_packed"] = False
+        warnings.warn(f"oneDNN refused a packed {tuple(w.shape)} {w.dtype} product ({e}); using F.linear there",
+                      stacklevel=3)
+        return None
+    linear.__dict__["_cpu_packed"] = packed
+    return out
 
 
 def use_cpu_packing(model: nn.Module, on: bool = True) -> None:
