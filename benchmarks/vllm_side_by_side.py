@@ -16,8 +16,9 @@ Without --drafter only the plain servers run, and each measurement is one `draft
 --repeats timed runs each going round the two, so draftsman's tokens/s over vLLM's is a ratio of
 one run; at T=0 the two engines' greedy texts are compared with each other.
 
-    DRAFTSMAN_VLLM_PYTHON=/work/cache/vllm-venv/bin/python python benchmarks/vllm_side_by_side.py \
-        --target /work/cache/smol-f32 --repeats 3 --temperatures 0 --out benchmarks/results/vllm_plain_cpu.json
+    DRAFTSMAN_VLLM_PYTHON=/work/cache/vllm-venv/bin/python python benchmarks/vllm_side_by_side.py \\
+        --target /work/cache/smol-f32 --temperatures 0 --num-prompts 8 --max-new-tokens 64 --repeats 2 \\
+        --out benchmarks/results/vllm_plain_cpu.json --plot benchmarks/results/vllm_plain_cpu.png
 
     DRAFTSMAN_VLLM_PYTHON=/work/cache/vllm-venv/bin/python python benchmarks/vllm_side_by_side.py \\
         --target /work/cache/smol-f32 --drafter /work/cache/smol-drafter \\

@@ -373,8 +373,8 @@ class DecodeSession(abc.ABC):
         self._changes += 1
         self.roster += 1
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-        used = max(len(self.rows[i].prompt) + len(self.rows[i].state.tokens) for i in keep) if keep else 0
         self.rows = [self.rows[i] for i in keep]
+        used = self.longest_row()  # (of the kept rows: _changes moved above)
         for cache in self.caches:
             # Every slot a row still needs lies below its tokens so far plus the scratch its
             # cache was allocated past max_len for.

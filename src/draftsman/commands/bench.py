@@ -178,9 +178,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "does (draftsman/joins.py; default 8; 0: waiting requests join at once)")
     p.add_argument("--repeats", type=int, default=1,
                    help="timed runs per arm (default 1); with more, every arm is warmed up first and "
-                        "the runs go round the arms (client: the server and the baseline) (each round starting one arm further on), each arm reporting "
-                        "its run of median duration (drift of a noisy machine then falls on every arm alike; "
-                        "every arm's session stays alive meanwhile)")
+                        "the runs go round the arms (client: the server and the baseline), each round starting "
+                        "one arm further on, each arm reporting its run of median duration (drift of a noisy "
+                        "machine then falls on every arm alike; in-process, every arm's session stays alive "
+                        "meanwhile)")
     p.add_argument("--timeout", type=float, default=600.0, help="client: seconds per request (default 600)")
     add_sampling_args(p)
     add_device_args(p)
