@@ -129,3 +129,33 @@ def test_greedy_argmax_is_torch_argmax_with_ties_and_infinities(vocab):
     x[5, [5, vocab - 3]] = float("nan")
     torch.testing.assert_close(greedy_argmax(x), x.argmax(-1), rtol=0, atol=0)
     torch.testing.assert_close(greedy_argmax(x.bfloat16()[:, None]), x.bfloat16()[:, None].argmax(-1), rtol=0, atol=0)
+
+
+def test_cpu_inverse_cdf_draws_across_blocks_and_never_zero_mass() -> None:
+    # 600 tokens = 2 full blocks of 256 and a padded third; mass at block edges, zero-mass gaps
+    # and a zero-mass final block region: frequencies follow p, no zero-mass token is drawn.
+    probs = torch.zeros(600)
+    for i, p in {0: 0.05, 255: 0.2, 256: 0.15, 300: 0.1, 511: 0.25, 512: 0.05, 590: 0.2}.items():
+        probs[i] = p
+    ids = sample(probs.expand(400_000, 600), make_generator(1))
+    freq = torch.bincount(ids, minlength=600).float() / ids.numel()
+    assert float(freq[probs == 0].sum()) == 0, "a zero-probability token was drawn"
+    torch.testing.assert_close(freq, probs, atol=3e-3, rtol=0)
+
+
+def test_session_skips_filters_only_when_no_row_uses_them() -> None:
+    from draftsman.session import DecodeSession
+
+    logits = torch.randn(3, 700) * 3
+    rows = [SamplingParams(1.0), SamplingParams(0.7), SamplingParams(0.0)]
+    t, k, p = batch_params(rows)
+    sampling = {"temperature": t, "top_k": k, "top_p": p}
+    assert DecodeSession.prefill_filters(sampling) == (False, False)
+    # the skipped sort is exact: the same probabilities as warp_probs over the per-row tensors
+    assert torch.equal(DecodeSession._warp(logits, sampling, (False, False)), warp_probs(logits, t, k, p))
+    rows[1] = SamplingParams(0.7, top_k=5, top_p=0.9)
+    t, k, p = batch_params(rows)
+    sampling = {"temperature": t, "top_k": k, "top_p": p}
+    assert DecodeSession.prefill_filters(sampling) == (True, True)
+    warped = DecodeSession._warp(logits, sampling, (True, True))
+    assert torch.equal(warped, warp_probs(logits, t, k, p)) and int((warped[1] > 0).sum()) <= 5
