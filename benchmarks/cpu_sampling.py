@@ -30,6 +30,22 @@ def race(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return (probs.float() / e.clamp_(min=torch.finfo(torch.float32).tiny)).argmax(-1)
 
 
+def time_arms(logits: torch.Tensor, state: dict, g: torch.Generator, iters: int) -> dict[str, list[float]]:
+    """Seconds of each call of the two arms, alternating, after one untimed call each."""
+    t, k, p = state["temperature"], state["top_k"], state["top_p"]
+    arms = {"before": lambda: race(warp_probs(logits, t, k, p), g),
+            "after": lambda: sample(DecodeSession._warp(logits, state, (False, False)), g)}
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    for fn in arms.values():
+        fn()
+    for _ in range(iters):
+        for name, fn in arms.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vocab", type=int, default=49152)
@@ -46,17 +62,7 @@ def main() -> None:
         t, k, p = batch_params([SamplingParams(args.temperature)] * dims[0])
         if len(dims) > 1:  # per-row params broadcast over a tree's nodes
             t, k, p = t[:, None], k[:, None], p[:, None]
-        state = {"temperature": t, "top_k": k, "top_p": p}
-        arms = {"before": lambda: race(warp_probs(logits, t, k, p), g),
-                "after": lambda: sample(DecodeSession._warp(logits, state, (False, False)), g)}
-        times: dict[str, list[float]] = {name: [] for name in arms}
-        for name, fn in arms.items():
-            fn()
-        for _ in range(args.iters):
-            for name, fn in arms.items():
-                start = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - start)
+        times = time_arms(logits, {"temperature": t, "top_k": k, "top_p": p}, g, args.iters)
         med = {name: 1e3 * statistics.median(v) for name, v in times.items()}
         rows_out.append({"shape": shape, "before_ms": round(med["before"], 3), "after_ms": round(med["after"], 3),
                          "speedup": round(med["before"] / med["after"], 1)})
