@@ -221,7 +221,7 @@ def sample_accept(
     target_probs [B, N, V]: the target's warped next-token distribution p_u at each node.
     draft_probs [B, N, V] or None: the distribution each node's token was drawn from (siblings
     drawn independently); None means deterministic drafts (top-k trees, greedy drafters).
-    Randomness: one uniform per node (drawn first), then one exponential race for the bonus, so
+    Randomness: one uniform per node (drawn first), then one `sample` draw for the bonus, so
     the two rules consume `generator` identically. max_depth (`--spec-steps`) and max_width
     (`--spec-topk`, used with draft_probs only) avoid the one host sync that derives them;
     nodes deeper than max_depth, or past the first max_width children of a node, are treated as
