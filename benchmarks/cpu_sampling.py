@@ -3,7 +3,7 @@ logits (default 49,152: SmolLM2's), at a decode step's rows and at a tree verify
 
 * before: warp_probs over per-row tensors (a session's sampling state), which sorted the
   vocabulary whenever top_k/top_p were tensors, also when every row had them off; then the
-  exponential race (sampling.sample's CUDA path), one Exp(1) draw per vocabulary entry;
+  exponential race (sampling.exponential_race, sample's CUDA path), one Exp(1) draw per vocabulary entry;
 * after: the session's warp (DecodeSession._warp) with its rows' filters off, as sessions now
   pass them, then sampling.sample, which on CPU inverts one uniform per row.
 
@@ -21,19 +21,14 @@ import time
 
 import torch
 
-from draftsman.sampling import SamplingParams, batch_params, sample, warp_probs
+from draftsman.sampling import SamplingParams, batch_params, exponential_race, sample, warp_probs
 from draftsman.session import DecodeSession
-
-
-def race(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    e = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator)
-    return (probs.float() / e.clamp_(min=torch.finfo(torch.float32).tiny)).argmax(-1)
 
 
 def time_arms(logits: torch.Tensor, state: dict, g: torch.Generator, iters: int) -> dict[str, list[float]]:
     """Seconds of each call of the two arms, alternating, after one untimed call each."""
     t, k, p = state["temperature"], state["top_k"], state["top_p"]
-    arms = {"before": lambda: race(warp_probs(logits, t, k, p), g),
+    arms = {"before": lambda: exponential_race(warp_probs(logits, t, k, p), g),
             "after": lambda: sample(DecodeSession._warp(logits, state, (False, False)), g)}
     times: dict[str, list[float]] = {name: [] for name in arms}
     for fn in arms.values():

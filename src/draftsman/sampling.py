@@ -188,6 +188,11 @@ def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
     cumulative mass instead (`_inverse_cdf`)."""
     if probs.device.type == "cpu":
         return _inverse_cdf(probs, generator)
+    return exponential_race(probs, generator)
+
+
+def exponential_race(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """sample() on CUDA: argmax_v p_v / E_v over one Exp(1) draw per vocabulary entry."""
     race = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator)
     # Exp(1) draws of exactly 0 would turn 0/0 into NaN (which argmax would pick).
     race.clamp_(min=torch.finfo(torch.float32).tiny)

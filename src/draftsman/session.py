@@ -129,8 +129,8 @@ class DecodeSession(abc.ABC):
         # adaptive policy weighs): computed once per change of the rows or their tokens.
         self._changes = 0
         self._longest: tuple[int, int] = (-1, 0)  # (_changes when computed, length)
-        self._greedy: tuple[int, bool] = (-1, True)  # (_changes when computed, all_greedy)
-        self._filters: tuple[int, tuple[bool, bool]] = (-1, (False, False))  # (_changes when computed, filters)
+        # (_changes when computed, (all_greedy, *filters)): the running rows' sampling, from their params
+        self._sampling_flags: tuple[int, tuple[bool, bool, bool]] = (-1, (True, False, False))
         # Requests the driver holds until a row frees, set before each round by drivers that know
         # every request up front (drive_session, run_to_completion). 0: the running rows are the
         # last, and an adaptive session finishes them as soon as it can rather than at the best
@@ -279,27 +279,30 @@ class DecodeSession(abc.ABC):
             "top_p": torch.tensor([p.top_p for p in params], dtype=torch.float64, device=self.device),
         }
 
+    def _row_flags(self) -> tuple[bool, bool, bool]:
+        """(all_greedy, *filters), made when the rows change (asked several times a round)."""
+        if self._sampling_flags[0] != self._changes:
+            p = [r.params for r in self.rows]
+            flags = (all(x.temperature == 0 for x in p), any(x.top_k > 0 for x in p), any(x.top_p < 1 for x in p))
+            self._sampling_flags = (self._changes, flags)
+        return self._sampling_flags[1]
+
     @property
     def all_greedy(self) -> bool:
-        """Whether every running row decodes at temperature 0 (asked several times a round)."""
-        if self._greedy[0] != self._changes:
-            self._greedy = (self._changes, all(r.params.temperature == 0 for r in self.rows))
-        return self._greedy[1]
+        """Whether every running row decodes at temperature 0."""
+        return self._row_flags()[0]
 
     @property
     def filters(self) -> tuple[bool, bool]:
         """Whether any running row uses (top-k, top-p). warp_probs sorts the vocabulary for
         either, also when every row's tensor entry is off: 8 ms a step at batch 4 of SmolLM2 on
         CPU, 130 ms for a 17-node tree's verify, so rows without filters skip them."""
-        if self._filters[0] != self._changes:
-            flags = (any(r.params.top_k > 0 for r in self.rows), any(r.params.top_p < 1 for r in self.rows))
-            self._filters = (self._changes, flags)
-        return self._filters[1]
+        return self._row_flags()[1:]
 
     def sample_next(self, logits: Tensor, sampling: dict[str, Tensor], greedy: bool,
                     filters: tuple[bool, bool] | None = None) -> Tensor:
         """logits [B, V] -> tokens [B], each row with its own temperature/top-k/top-p. filters:
-        as `filters`, for rows not running yet (a prefill's `sampling`); default the running rows'."""
+        as `filters`, for rows not running yet (sample_first); default the running rows'."""
         if greedy:
             return greedy_argmax(logits)
         return sample(self._warp(logits, sampling, filters or self.filters), generator=self.generator)
@@ -313,10 +316,16 @@ class DecodeSession(abc.ABC):
         return warp_probs(logits, sampling["temperature"], sampling["top_k"] if top_k else 0,
                           sampling["top_p"] if top_p else 1.0)
 
+    def sample_first(self, logits: Tensor, sampling: dict[str, Tensor]) -> Tensor:
+        """sample_next for a prefill's newcomers, whose greedy check and filters come from their
+        sampling tensors (host syncs, once per join)."""
+        if bool((sampling["temperature"] == 0).all()):
+            return greedy_argmax(logits)
+        return self.sample_next(logits, sampling, False, self.prefill_filters(sampling))
+
     @staticmethod
     def prefill_filters(sampling: dict[str, Tensor]) -> tuple[bool, bool]:
-        """`filters` of a prefill's newcomers, from their sampling tensors (a host sync, as the
-        prefill's greedy check is)."""
+        """`filters` of a prefill's newcomers, from their sampling tensors."""
         return bool((sampling["top_k"] > 0).any()), bool((sampling["top_p"] < 1).any())
 
     def _emit(self, row_ids: Sequence[int], tokens: Sequence[Sequence[int]]) -> list[Event]:
@@ -417,8 +426,7 @@ class PlainSession(DecodeSession):
         else:
             cache = self.target.new_cache(ids.shape[0], self.prefill_slots(self.max_len, ids.shape[1]))
             logits = self.target(ids, cache=cache, logits_index=last)[:, 0]
-        greedy = bool((sampling["temperature"] == 0).all())
-        first = self.sample_next(logits, sampling, greedy, None if greedy else self.prefill_filters(sampling))
+        first = self.sample_first(logits, sampling)
         return [cache], {"cur": lengths.clone(), "last": first, **sampling}, first
 
     def _round(self) -> list[Event]:

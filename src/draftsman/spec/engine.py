@@ -141,8 +141,7 @@ class SpecSession(DecodeSession):
             d_cache = self.drafter.new_cache(b, self.prefill_slots(self.max_len + d_extra, t))
             out = self.target.run(ids, cache=t_cache, aux_layer_ids=self.aux_ids, logits_index=last)
             logits, feats = out.logits[:, 0], torch.cat(out.aux_hidden, -1)
-        greedy = bool((sampling["temperature"] == 0).all())
-        first = self.sample_next(logits, sampling, greedy, None if greedy else self.prefill_filters(sampling))
+        first = self.sample_first(logits, sampling)
         # Drafter pairs (x_{i+1}, f_i): the prompt shifted by one, the new token at len-1.
         shifted = torch.cat([ids[:, 1:], ids[:, :1]], 1).scatter(1, last, first[:, None])
         if self._d_like is not None and self._lazy(len(self.rows) + b):
