@@ -15,6 +15,7 @@ from draftsman.generate import StopRules
 from draftsman.reference import TARGET_DIR
 from draftsman.sampling import SamplingParams
 from draftsman.session import PlainSession, Request, run_to_completion
+from draftsman.spec import engine
 from draftsman.spec.adaptive import PLAIN, AdaptivePolicy, bucket
 from draftsman.spec.engine import BACKLOG, SpecConfig, SpecSession
 from draftsman.tokenizer import encode_prompt, load_tokenizer
@@ -467,6 +468,46 @@ def test_deferred_drafter_work_reaches_the_drafter_before_speculation(pair, stat
     spilled rather than run; when speculation resumes the drafter runs over all of it first: its
     cache then holds what it holds with nothing deferred, and the chain accepts as much."""
     deferred_vs_eager(*pair, prompts(), device="cpu", static=static)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_rows_holding_the_spill_limit_catch_up_instead_of_spilling(pair, static, monkeypatch):
+    """Deferred pairs are memory: once a row holds SPILL_LIMIT spilled pairs, the next full
+    backlog runs the drafter over everything deferred (one spill here, then a catch-up), and
+    the drafter still ends as one that never deferred."""
+    monkeypatch.setattr(engine, "SPILL_LIMIT", BACKLOG)
+    deferred_vs_eager(*pair, prompts(), device="cpu", static=static, stretch=2 * BACKLOG + 10, spills=1)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_row_deferred_just_before_speculation_drafts_from_its_prompt(pair, static):
+    """A newcomer joins (its drafter prefill deferred) right before a speculative round: with no
+    plain-round pairs of its own, its drafter state is the deferred chunks' output at its
+    prompt's last pair, so its drafts are accepted as in a session that never defers."""
+    from helpers import ScriptedCurrent
+
+    first, second = prompts()
+    rules, greedy = StopRules(max_new_tokens=24), SamplingParams(temperature=0.0)
+    schedule = [PLAIN] * 3 + [CHAIN] * 6
+    logs, tokens = {}, {}
+    for policy in (Scripted(schedule), ScriptedCurrent(schedule)):
+        session = SpecSession(pair[0], pair[1], None, 96, policy=policy)
+        session.static = static
+        requests = [Request(0, first, rules, greedy), Request(1, second, rules, greedy)]
+        session.add(requests[:1])
+        for _ in range(3):
+            session.step()
+        session.add(requests[1:])
+        session.waiting = 0
+        while session.num_running:
+            session.step()
+        name = type(policy).__name__
+        logs[name], tokens[name] = policy.log, [r.state.tokens for r in requests]
+        assert session.deferred_prefills == (1 if name == "ScriptedCurrent" else 0)
+    assert tokens["Scripted"] == tokens["ScriptedCurrent"]
+    chain_rounds = [x for arm, x in logs["Scripted"] if arm is not None]
+    assert chain_rounds[0][1] >= 2  # (the newcomer's first drafts: accepted when its state is right)
+    assert [x for arm, x in logs["ScriptedCurrent"] if arm is not None] == chain_rounds
 
 
 def test_adaptive_session_with_the_real_policy_matches_plain(pair):

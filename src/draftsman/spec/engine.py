@@ -46,6 +46,10 @@ BACKLOG = 64
 # Draining (no request waiting): the rows that decide when the batch ends are re-chosen when a
 # row joins or leaves, or after this many rounds (their tokens left are read every round).
 DRAIN_REFRESH = 8
+# Spilled pairs a row may hold deferred (past its prompt) before a full backlog is caught up
+# instead: deferred chunks are device memory (a feature row per token), so a long plain stretch
+# pays the drafter's forwards once per BACKLOG rounds, as a session that never defers does.
+SPILL_LIMIT = 4 * BACKLOG
 # Per-row state a speculation round and a plain round (adaptive sessions) read and replace.
 ROUND_STATE = ("n", "root", "d_logits", "d_hidden")
 PLAIN_STATE = ("n", "root")
@@ -148,7 +152,9 @@ class SpecSession(DecodeSession):
             # Plain decoding is the running batch's choice: the drafter's prefill waits until
             # speculation is next tried, and rows that finish before never pay it (on CPU the
             # joins' drafter prefills cost the adaptive arm 0.6-3% against plain decoding).
-            self._joining = [(shifted[i, :k].clone(), feats[i, :k].clone(), 0) for i, k in enumerate(lengths.tolist())]
+            # (one copy of a staged prefill's features, a graph output; rows' chunks are views)
+            kept = feats.clone() if staged else feats
+            self._joining = [(shifted[i, :k], kept[i, :k], 0) for i, k in enumerate(lengths.tolist())]
             self.deferred_prefills += b
             d_logits, d_hidden = (x.new_zeros(b, *x.shape[1:]) for x in self._d_like)
         elif staged:
@@ -221,35 +227,46 @@ class SpecSession(DecodeSession):
     # ---- deferred drafter work (adaptive sessions) ----------------------------------------
     def _lazy(self, batch: int) -> bool:
         """Whether the drafter's work on new pairs waits (joins' prefills, a full backlog): plain
-        decoding is the policy's current choice at this batch size. Not in graphed sessions: their
-        joins' drafter prefill is a staged graph replay (deferring it saved nothing on the H100),
-        while the deferred chunks' eager forward, a new shape each time, took 0.7 s apiece there
-        (results/h100_adaptive28.json)."""
-        return self.policy is not None and not self.graphed and self.policy.current.get(pow2_ceil(max(batch, 1)), 0) is None
+        decoding is the policy's current choice at this batch size. Graphed sessions too: their
+        deferred chunks run through the backlog's extension graph (_prefill_pending), where one
+        eager forward of a new width each time took 0.7 s apiece on the H100
+        (results/h100_adaptive28.json), and their joins' staged drafter prefill made the adaptive
+        arm's joins 17% slower than plain decoding's (SmolLM2 on the H100, 0.192 against 0.164 s,
+        results/never_slower_h100_smollm2_41e84fc.json)."""
+        return self.policy is not None and self.policy.current.get(pow2_ceil(max(batch, 1)), 0) is None
 
     def _spill(self) -> None:
         """A full backlog while plain decoding is the choice: its pairs join the rows' deferred
         chunks (one device copy per row per BACKLOG rounds) instead of a drafter forward."""
         st = self.tensors
         used = self._plain_run
+        # (one copy of the whole backlog, rows' chunks views of it: two copies a spill, not two a row)
+        tokens, feats = st["bk_tokens"][:, :used].clone(), st["bk_feats"][:, :used].clone()
         for i, (row, n, start) in enumerate(zip(self.rows, st["n"].tolist(), st["bk_start"].tolist(), strict=True)):
             if start < used:
-                chunk = (st["bk_tokens"][i, start:used].clone(), st["bk_feats"][i, start:used].clone(), n - used + start)
-                self._pending.setdefault(row.request_id, []).append(chunk)
+                self._pending.setdefault(row.request_id, []).append((tokens[i, start:], feats[i, start:], n - used + start))
         st["bk_start"] = torch.zeros_like(st["bk_start"])
         self._plain_run = 0
         self.spills += 1
 
+    def _spills_full(self) -> bool:
+        """Whether some row holds SPILL_LIMIT spilled pairs or more (past its prompt's chunk)."""
+        return any(sum(len(c[0]) for c in ch[1:]) >= SPILL_LIMIT for ch in self._pending.values())
+
     def _prefill_pending(self) -> None:
-        """Run the drafter over every row's deferred chunks (one eager forward, rows padded to
-        the longest; padding written at slot n, scratch) and take its output at their last pair
-        as the rows' drafter state (a backlog catch-up after it replaces that where it has pairs)."""
+        """Run the drafter over every row's deferred chunks (rows padded to the longest; padding
+        written at slot n, scratch) and take its output at their last pair as the rows' drafter
+        state (a backlog catch-up after it replaces that where it has pairs). One eager forward,
+        or in static sessions passes of BACKLOG columns through the catch-up's static step (its
+        graph: no shape of its own), each pass's output kept for the rows whose last pair it has."""
         st, rows = self.tensors, self.rows
         idx = [i for i, r in enumerate(rows) if r.request_id in self._pending]
         self._pending, chunks = {}, [self._pending[rows[i].request_id] for i in idx]
         if not idx:
             return
         width = max(sum(len(c[0]) for c in ch) for ch in chunks)
+        if self.static:
+            width = -(-width // BACKLOG) * BACKLOG
         b, n = len(rows), st["n"]
         tokens = torch.zeros(b, width, dtype=torch.long, device=n.device)
         feats = chunks[0][0][1].new_zeros(b, width, chunks[0][0][1].shape[-1])
@@ -261,11 +278,20 @@ class SpecSession(DecodeSession):
             feats[i, :k] = torch.cat([c[1] for c in ch])
             positions[i, :k] = torch.cat([torch.arange(p, p + len(t), device=n.device) for t, _, p in ch])
             last[i] = k - 1
-        d_logits, d_hidden = self._extend(self.caches[1], tokens, feats, positions, last, prefill=True)
-        has = torch.zeros(b, 1, dtype=torch.bool, device=n.device)
+        has = torch.zeros(b, dtype=torch.bool, device=n.device)
         has[idx] = True
-        st["d_logits"] = torch.where(has, d_logits, st["d_logits"])
-        st["d_hidden"] = torch.where(has, d_hidden, st["d_hidden"])
+        if not self.static:
+            d_logits, d_hidden = self._extend(self.caches[1], tokens, feats, positions, last, prefill=True)
+            st["d_logits"] = torch.where(has[:, None], d_logits, st["d_logits"])
+            st["d_hidden"] = torch.where(has[:, None], d_hidden, st["d_hidden"])
+            return
+        for s in range(0, width, BACKLOG):
+            cols = slice(s, s + BACKLOG)
+            d_logits, d_hidden = self._extend(self.caches[1], tokens[:, cols], feats[:, cols], positions[:, cols],
+                                              (last - s).clamp(0, BACKLOG - 1))
+            here = (has & (last >= s) & (last < s + BACKLOG))[:, None]
+            st["d_logits"] = torch.where(here, d_logits, st["d_logits"])
+            st["d_hidden"] = torch.where(here, d_hidden, st["d_hidden"])
 
     # ---- one round ----------------------------------------------------------------------
     def _round(self) -> list[Event]:
@@ -393,8 +419,13 @@ class SpecSession(DecodeSession):
 
     def _catch_up_due(self, arm: SpecConfig | None) -> bool:
         """Whether a round of `arm` now starts with the drafter's catch-up: before speculation
-        after plain rounds, and before a plain round when the backlog is full."""
-        return self._plain_run > 0 and (arm is not None or (self._plain_run >= BACKLOG and not self._lazy(len(self.rows))))
+        after plain rounds, and before a plain round when the backlog is full (unless it spills:
+        plain decoding is the choice and no row holds SPILL_LIMIT spilled pairs)."""
+        if self._plain_run == 0:
+            return False
+        if arm is not None:
+            return True
+        return self._plain_run >= BACKLOG and (not self._lazy(len(self.rows)) or self._spills_full())
 
     def _captured(self, arm: SpecConfig | None) -> bool:
         """Whether a round of `arm` now would replay CUDA graphs captured before (a capture costs
@@ -402,7 +433,7 @@ class SpecSession(DecodeSession):
         if not (self.graphed and self.static and self.all_greedy):
             return True
         t_span, d_span = self._spans(self.spec if arm is None else arm, plain=arm is None)
-        due = self._catch_up_due(arm)
+        due = self._catch_up_due(arm) or (arm is not None and bool(self._pending))  # (the same step)
         # (the caches' allocations: graphs are captured over their buffers)
         shape = (arm, pow2_ceil(len(self.rows)), t_span, d_span, due,
                  tuple((next(iter(c.buffers.values())).data_ptr(), c.capacity) for c in self.caches))
