@@ -531,7 +531,11 @@ class SpecSession(DecodeSession):
         col = self._plain_run
         st["bk_tokens"][:, col] = nxt
         st["bk_feats"][:, col] = feats
-        st["n"], st["root"] = st["n"] + 1, nxt.clone()  # (a graph output: see _spec_round)
+        # The root is a graph output (the shared pool's: see _spec_round): the backlog's column
+        # holds it outside the pool, so it needs no copy of its own (one launch less a round).
+        # The column is rewritten only after a catch-up or spill restarts the backlog, by a
+        # plain round, which reads the root before it writes.
+        st["n"], st["root"] = st["n"] + 1, st["bk_tokens"][:, col]
         self._plain_run += 1
         for row in self.rows:
             row.plain_rounds += 1
