@@ -307,11 +307,12 @@ def test_full_span_sessions_capture_one_graph_per_batch_bucket():
 
 @pytest.mark.gpu
 @gpu
-def test_graphed_sessions_defer_no_drafter_work_and_match_the_eager_drafter():
+def test_graphed_sessions_defer_drafter_work_and_match_the_eager_drafter():
     """tests/test_adaptive's deferred-drafter check on the GPU (fp32, graphed rounds): a graphed
-    session defers nothing while plain decoding is the choice (its joins' drafter prefill is a
-    graph replay; deferred chunks would run eagerly at a new shape each time), and its drafter
-    cache, outputs and acceptance match the session's that is never asked to defer."""
+    session that defers its joins' drafter prefill and spills its backlog while plain decoding is
+    the choice (the deferred chunks then run through the catch-up's graph, in passes of the
+    backlog's width) decodes as plain decoding does, and its drafter cache and acceptance match
+    the session's that is never asked to defer."""
     from helpers import deferred_vs_eager
 
     target_dir, drafter_dir = draftsman.reference_pair()
