@@ -58,7 +58,7 @@ class ScriptedCurrent(Scripted):
 
     def __init__(self, schedule):
         super().__init__(schedule)
-        self.current = {1: PLAIN, 2: PLAIN}
+        self.current = {b: PLAIN for b in (1, 2, 4, 8)}
 
     def choose(self, batch, ready=None, drain=None):
         arm = super().choose(batch, ready, drain)
