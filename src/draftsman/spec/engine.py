@@ -378,7 +378,7 @@ class SpecSession(DecodeSession):
         """The drafter's work a round of `arm` starts with: before speculation, its deferred
         chunks and backlog; before a plain round with a full backlog, a spill where plain
         decoding is the choice (_lazy), else a catch-up."""
-        if self._catch_up_due(arm) or (arm is not None and self._pending):
+        if self._catch_up_due(arm):
             self._timed_catch_up()
         elif arm is None and self._plain_run >= BACKLOG:
             self._spill()
@@ -418,13 +418,12 @@ class SpecSession(DecodeSession):
         return ("extend", d_span)
 
     def _catch_up_due(self, arm: SpecConfig | None) -> bool:
-        """Whether a round of `arm` now starts with the drafter's catch-up: before speculation
-        after plain rounds, and before a plain round when the backlog is full (unless it spills:
-        plain decoding is the choice and no row holds SPILL_LIMIT spilled pairs)."""
-        if self._plain_run == 0:
-            return False
+        """Whether a round of `arm` now starts with the drafter's catch-up (_timed_catch_up):
+        before speculation after plain rounds or with deferred chunks, and before a plain round
+        when the backlog is full (unless it spills: plain decoding is the choice and no row holds
+        SPILL_LIMIT spilled pairs)."""
         if arm is not None:
-            return True
+            return self._plain_run > 0 or bool(self._pending)
         return self._plain_run >= BACKLOG and (not self._lazy(len(self.rows)) or self._spills_full())
 
     def _captured(self, arm: SpecConfig | None) -> bool:
@@ -433,7 +432,7 @@ class SpecSession(DecodeSession):
         if not (self.graphed and self.static and self.all_greedy):
             return True
         t_span, d_span = self._spans(self.spec if arm is None else arm, plain=arm is None)
-        due = self._catch_up_due(arm) or (arm is not None and bool(self._pending))  # (the same step)
+        due = self._catch_up_due(arm)
         # (the caches' allocations: graphs are captured over their buffers)
         shape = (arm, pow2_ceil(len(self.rows)), t_span, d_span, due,
                  tuple((next(iter(c.buffers.values())).data_ptr(), c.capacity) for c in self.caches))
