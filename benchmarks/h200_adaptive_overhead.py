@@ -1,7 +1,12 @@
 """What an adaptive session's plain round costs beyond a plain session's step, with the embedded
 reference pair at one batch size: the same requests decoded by a `PlainSession` and by an
 adaptive `SpecSession` whose policy weighs its arms as usual but always answers plain (so the
-round runs the policy, the readiness checks, the backlog and the drafter's catch-ups).
+round runs the policy, the readiness checks, the backlog and the drafter's catch-ups), asked
+every round (`adaptive_plain`: its choice stays a speculative arm, so no plain hold applies) or
+as a real session asks once plain decoding is the choice (`adaptive_held`: held for up to
+hold_rounds rounds); and an adaptive session asked every round and answering the tree
+(`adaptive_tree16`) against a fixed session of that tree (`tree16`): the policy's cost on the
+speculative rounds where speculation pays.
 
     python benchmarks/h200_adaptive_overhead.py --out benchmarks/results/h200_adaptive_overhead.json
 
@@ -48,6 +53,28 @@ class PlainOnly(AdaptivePolicy):
     def choose(self, batch, ready=None, drain=None):
         super().choose(batch, ready)
         return PLAIN
+
+
+class PlainHeld(AdaptivePolicy):
+    """The policy as a real session meets it where speculation loses: every speculative arm is
+    observed once as slow (1 s a round, nothing accepted) before the bucket's first choice, so
+    the policy chooses plain decoding itself and the session holds that choice for up to
+    hold_rounds rounds without asking (plain_hold)."""
+
+    def choose(self, batch, ready=None, drain=None):
+        for arm in self.candidates:
+            if self.estimate(arm, batch).seconds is None:
+                self.observe(arm, batch, 1.0, [0] * batch)
+        return super().choose(batch, ready, drain)
+
+
+class TreeAsked(AdaptivePolicy):
+    """The policy's work every round, its answer always the tree (ARMS[2]): an adaptive session's
+    speculative round against a fixed session's of the same tree."""
+
+    def choose(self, batch, ready=None, drain=None):
+        super().choose(batch, ready)
+        return ARMS[2]
 
 
 class Bare(AdaptivePolicy):
@@ -234,14 +261,21 @@ def main() -> None:
                          args.kernel_profile),
         "adaptive_plain": run_arm(SpecSession(target, drafter, None, max_len, policy=PlainOnly(ARMS)), prompts,
                                   args.steps, args.warmup, args.profile_steps, device, args.kernel_profile),
+        "adaptive_held": run_arm(SpecSession(target, drafter, None, max_len, policy=PlainHeld(ARMS)), prompts,
+                                 args.steps, args.warmup, args.profile_steps, device, args.kernel_profile),
         "adaptive_bare": run_arm(SpecSession(target, drafter, None, max_len, policy=Bare(ARMS)), prompts,
                                  args.steps, args.warmup, args.profile_steps, device, args.kernel_profile),
         "tree16": run_arm(SpecSession(target, drafter, tree, max_len), prompts, args.steps // 4,
                           args.warmup // 4, args.profile_steps, device, args.kernel_profile, tree.steps + 1),
+        "adaptive_tree16": run_arm(SpecSession(target, drafter, None, max_len, policy=TreeAsked(ARMS)), prompts,
+                                   args.steps // 4, args.warmup // 4, args.profile_steps, device, args.kernel_profile,
+                                   tree.steps + 1),
     }
     plain_ms = arms["plain"]["wall_ms_per_step_median"]
     ratios = {f"{name}_over_plain_step": arm["wall_ms_per_step_median"] / plain_ms
               for name, arm in arms.items() if name != "plain"}
+    ratios["adaptive_tree16_over_tree16"] = (arms["adaptive_tree16"]["wall_ms_per_step_median"]
+                                             / arms["tree16"]["wall_ms_per_step_median"])
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."), "batch": args.batch,
               "steps": args.steps, "date": time.strftime("%Y-%m-%d"), "arms": arms,

@@ -57,6 +57,30 @@ def test_policy_turns_speculation_off_where_it_loses():
     assert chosen.count(TREE) >= 16 and chosen[-14:] == [TREE] * 14
 
 
+def test_tau_memo_follows_observations_mixes_and_staleness():
+    """tau(arm) is memoized (choose asks it many times a round); every input it reads moves it:
+    a round observed, a new mix, the round counter (a running τ goes stale)."""
+    policy = AdaptivePolicy([CHAIN], tau_stale_after=2, tau_alpha=0.5)  # (a running τ: half the last row's)
+    policy.observe(CHAIN, 1, 1.0, [3], [0.0])
+    policy.set_mix((0.0,))
+    assert policy.tau(CHAIN) == 4.0
+    policy.observe(CHAIN, 1, 1.0, [0], [0.0])  # the same round: the memo must not stand
+    assert policy.tau(CHAIN) == pytest.approx(2.5)
+    for _ in range(6):
+        policy.observe(CHAIN, 1, 1.0, [2], [0.0])
+    running = policy.tau(CHAIN)
+    policy.round += 3  # stale: the mean over every row instead
+    assert policy.tau(CHAIN) == pytest.approx((4 + 1 + 6 * 3) / 8) != running
+    policy.set_mix((1.0,))  # a class the arm has not run at
+    assert policy.tau(CHAIN) is None
+    both = (0.0, 1.0)
+    policy.set_mix(both)
+    policy.observe(CHAIN, 2, 1.0, [2, 0], list(both))
+    assert policy.tau(CHAIN) == pytest.approx((policy.taus[CHAIN, 0.0] + 1.0) / 2)
+    policy.set_mix(both)  # the same tuple again: the same mix, nothing made anew
+    assert policy.mix == {0.0: 1, 1.0: 1}
+
+
 def test_tau_is_kept_per_temperature_and_a_batch_expects_its_rows_mean():
     """Greedy rows accept a drafter's guesses far more often than rows sampled at T=1. τ kept per
     sampling class lets the policy speculate for greedy rows and decode plainly for sampled ones
@@ -567,7 +591,8 @@ def test_session_knows_which_graphs_a_round_would_capture(pair, monkeypatch):
 
 def test_session_remembers_captured_shapes_until_the_tables_capture(pair, monkeypatch):
     """_captured asks the graph tables once per shape while they capture nothing new, whatever
-    they answered; after a capture (which may evict a graph) or a failed one, it asks again."""
+    they answered; after a capture (which may evict a graph) or a failed one, the next choice
+    (policy round) asks again."""
     from draftsman.graphs import GraphTable
     from draftsman.session import Request
 
@@ -583,18 +608,22 @@ def test_session_remembers_captured_shapes_until_the_tables_capture(pair, monkey
     from draftsman.graphs import graph_table
     graph_table(target).captures += 1  # the tables captured a graph
     try:
+        assert session._captured(CHAIN) and len(asked) == n  # (within one choice: its answers stand)
+        session.policy.round += 1  # the next choice
         assert session._captured(CHAIN) and len(asked) > n
     finally:
         graph_table(target).captures -= 1
     # "not captured" is remembered too: an arm not captured here was asked about every round
     captured["answer"] = False
     graph_table(drafter).failed["x"] = "a failed capture"  # (also a change of the tables)
+    session.policy.round += 1
     try:
         assert not session._captured(CHAIN)
         n = len(asked)
         assert not session._captured(CHAIN) and len(asked) == n
     finally:
         del graph_table(drafter).failed["x"]
+    session.policy.round += 1
     assert not session._captured(CHAIN) and len(asked) > n  # (the tables changed again)
 
 

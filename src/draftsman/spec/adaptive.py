@@ -210,6 +210,12 @@ class AdaptivePolicy:
     _bucket: int = 0  # bucket of the last choice ...
     _bucket_rounds: int = 0  # ... and the choices in a row made in it
     _bucket_seconds: float = 0.0  # ... and the seconds of its rounds observed since (captures included)
+    # tau(arm) memoized while nothing it reads changes (the round: staleness; the mix; a τ
+    # observed): one choice asks it ~8 times per arm, ~40% of choose's host time before.
+    _tau_key: tuple = (-1, -1)  # (round, _tau_version) the memo holds for
+    _tau_memo: dict = field(default_factory=dict)
+    _tau_version: int = 0
+    _mix_from: object = None  # the classes tuple the mix was last made from (set_mix)
 
     def __post_init__(self) -> None:
         if not self.candidates:
@@ -250,8 +256,13 @@ class AdaptivePolicy:
 
     def set_mix(self, classes: Sequence[Hashable]) -> None:
         """The running rows' sampling classes (sampling_class: their temperatures), one per row;
-        an arm's expected τ is then the mean over the rows of their class's τ."""
+        an arm's expected τ is then the mean over the rows of their class's τ. The same tuple
+        as last time is the same mix (a session hands one over every round, made per roster)."""
+        if isinstance(classes, tuple) and classes is self._mix_from:
+            return
+        self._mix_from = classes
         self.mix = dict(Counter(classes)) or {None: 1}
+        self._tau_version += 1
 
     def tau(self, arm: SpecConfig | None) -> float | None:
         """Tokens per row per round the arm is expected to yield now for the running rows (their
@@ -259,6 +270,15 @@ class AdaptivePolicy:
         temperature the arm has not run at is measured, not guessed from another's)."""
         if arm is PLAIN:
             return 1.0
+        if self._tau_key != (self.round, self._tau_version):
+            self._tau_key, self._tau_memo = (self.round, self._tau_version), {}
+        memo = self._tau_memo
+        if arm not in memo:
+            memo[arm] = self._expected_tau(arm)
+        return memo[arm]
+
+    def _expected_tau(self, arm: SpecConfig) -> float | None:
+        """tau(arm), computed."""
         total = 0.0
         for cls, rows in self.mix.items():
             key = (arm, cls)
@@ -549,6 +569,7 @@ class AdaptivePolicy:
                 min(1.0 - (1.0 - self.tau_alpha) ** len(accepted), max(self.tau_round_cap, self.tau_alpha)))
         self.taus[key] = tau if old is None else (1 - w) * old + w * tau
         self.tau_rows[key] = rows + len(accepted)
+        self._tau_version += 1
 
     def observe_join(self, seconds: float) -> None:
         """Newcomers joined the running batch (a prefill) in `seconds`: charged to the batch

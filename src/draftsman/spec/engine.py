@@ -65,6 +65,12 @@ class SpecConfig:
 
     def __post_init__(self) -> None:
         check_tree_args(self.steps, self.topk, self.draft_tokens)
+        # Hashed once: arms key the adaptive policy's tables, ~60 lookups a round, and the
+        # dataclass's own hash builds a tuple each time (a third of `choose`'s host time).
+        object.__setattr__(self, "_hash", hash((self.steps, self.topk, self.draft_tokens)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @classmethod
     def chain(cls, steps: int) -> SpecConfig:
@@ -106,6 +112,8 @@ class SpecSession(DecodeSession):
         # may evict) or a capture fails.
         self._ready: dict[tuple, bool] = {}
         self._ready_captures: tuple[int, int] = (-1, -1)
+        self._ready_round: tuple[int, tuple] = (-1, ())  # (policy round, _ready_context) when made
+        self._span_memo: tuple[int, dict] = (-1, {})  # (_changes, _spans per (spec, plain)) when made
         self._front: tuple[int, int, list] = (-1, -1, [])  # (roster, policy round, drain_front) when made
         self.catch_ups, self.catch_up_seconds = 0, 0.0  # the drafter's catch-ups (reports)
         self._plain_drain: tuple[int, int] | None = None  # (roster, batch bucket) draining plainly
@@ -363,7 +371,7 @@ class SpecSession(DecodeSession):
         if made != self.roster:
             from draftsman.spec.adaptive import sampling_class
 
-            classes = [sampling_class(r.params.temperature) for r in self.rows]
+            classes = tuple(sampling_class(r.params.temperature) for r in self.rows)  # (set_mix: unchanged)
             self._mix = (self.roster, classes)
         self.policy.set_mix(classes)
         return classes
@@ -433,18 +441,28 @@ class SpecSession(DecodeSession):
             return True
         t_span, d_span = self._spans(self.spec if arm is None else arm, plain=arm is None)
         due = self._catch_up_due(arm)
-        # (the caches' allocations: graphs are captured over their buffers)
-        shape = (arm, pow2_ceil(len(self.rows)), t_span, d_span, due,
-                 tuple((next(iter(c.buffers.values())).data_ptr(), c.capacity) for c in self.caches))
-        # Answers hold until the graph tables change (a capture, which may also evict, or a
-        # failed capture): asking again builds keys over every cache buffer, and an arm not
-        # captured here was asked every round (~0.1 ms a round at batch 64 on the H200 host).
-        made = (captures(self.target, self.drafter), failures(self.target, self.drafter))
-        if made != self._ready_captures:
-            self._ready, self._ready_captures = {}, made
+        shape = (arm, t_span, d_span, due, self._ready_context())
         if shape not in self._ready:
             self._ready[shape] = self._ask_captured(arm, t_span, d_span, due)
         return self._ready[shape]
+
+    def _ready_context(self) -> tuple:
+        """What _captured's answers share within one choice, made once per policy round (a
+        choice asks for every arm): the padded batch and the caches' allocations (graphs are
+        captured over their buffers). Answers hold until the graph tables change (a capture,
+        which may also evict, or a failed capture): asking again builds keys over every cache
+        buffer, and an arm not captured here was asked every round (~0.1 ms a round at batch
+        64 on the H200 host)."""
+        when, context = self._ready_round
+        if when == self.policy.round:
+            return context
+        made = (captures(self.target, self.drafter), failures(self.target, self.drafter))
+        if made != self._ready_captures:
+            self._ready, self._ready_captures = {}, made
+        context = (pow2_ceil(len(self.rows)),
+                   tuple((next(iter(c.buffers.values())).data_ptr(), c.capacity) for c in self.caches))
+        self._ready_round = (self.policy.round, context)
+        return context
 
     def _ask_captured(self, arm: SpecConfig | None, t_span: int | None, d_span: int | None, due: bool) -> bool:
         """_captured's question to the graph tables."""
@@ -467,9 +485,15 @@ class SpecSession(DecodeSession):
         without static shapes: masks then cover just the slots in use."""
         if not self.static:
             return None, None
-        scratch = (spec.steps - 1) * spec.topk + spec.steps + 1
-        return (self.span(self.caches[0], 1 if plain else spec.draft_tokens),
-                self.span(self.caches[1], max(scratch, BACKLOG if self.policy is not None else 0)))
+        made, memo = self._span_memo  # (a choice asks for every arm, then the round for its own)
+        if made != self._changes:
+            memo = {}
+            self._span_memo = (self._changes, memo)
+        if (spec, plain) not in memo:
+            scratch = (spec.steps - 1) * spec.topk + spec.steps + 1
+            memo[spec, plain] = (self.span(self.caches[0], 1 if plain else spec.draft_tokens),
+                                 self.span(self.caches[1], max(scratch, BACKLOG if self.policy is not None else 0)))
+        return memo[spec, plain]
 
     def _set_spans(self, plain: bool = False) -> None:
         """This round's spans (_spans of its spec)."""
