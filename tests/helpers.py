@@ -66,6 +66,15 @@ class ScriptedCurrent(Scripted):
         return arm
 
 
+class ScriptedProbing(Scripted):
+    """Scripted, each speculative round a probe (AdaptivePolicy.probing): run in step at batch > 1."""
+
+    def choose(self, batch, ready=None, drain=None):
+        arm = super().choose(batch, ready, drain)
+        self.probing = arm is not None
+        return arm
+
+
 def mean_accepted(log, rounds) -> float:
     return sum(sum(log[i][1]) / len(log[i][1]) for i in rounds) / len(rounds)
 

@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import Scripted, deferred_vs_eager, mean_accepted
+from helpers import Scripted, ScriptedProbing, deferred_vs_eager, mean_accepted
 
 import draftsman
 from draftsman.generate import StopRules
@@ -45,6 +45,22 @@ def test_policy_measures_every_arm_then_keeps_the_fastest():
     assert set(chosen[:3]) == {PLAIN, CHAIN, TREE}  # one timed round each
     # ... the chain probed while its few rounds leave its rate uncertain (confidence_z), then none
     assert chosen.count(CHAIN) <= 3 and chosen[-20:] == [TREE] * 20
+
+
+def test_policy_flags_its_one_round_measurements_as_probes():
+    """First timings and re-measurements are flagged `probing` (the session runs them in step at
+    batch > 1); the bucket's own choice is not."""
+    policy = AdaptivePolicy([CHAIN, TREE], explore_every=10, max_explore_every=10)
+    costs, taus = {PLAIN: 1.0, CHAIN: 3.5, TREE: 6.0}, {PLAIN: 1, CHAIN: 3, TREE: 5}
+    flags = []
+    for _ in range(25):
+        arm = policy.choose(8)
+        flags.append((arm, policy.probing))
+        policy.observe(arm, 8, costs[arm], [taus[arm] - 1] * 8)
+    assert all(probing for _, probing in flags[:3])  # each arm timed once
+    assert all(not probing for arm, probing in flags[3:] if arm is PLAIN)  # the choice: plain
+    assert [i for i, (arm, probing) in enumerate(flags) if probing and i >= 3]  # re-measurements
+    assert all(arm is not PLAIN for arm, probing in flags[3:] if probing)
 
 
 def test_policy_turns_speculation_off_where_it_loses():
@@ -487,6 +503,34 @@ def test_switching_session_is_lossless_and_the_drafter_catches_up(pair, static):
 
 
 @pytest.mark.parametrize("static", [False, True])
+def test_probe_rounds_run_in_step_and_stay_lossless(pair, static):
+    """Probe rounds at batch > 1 (AdaptivePolicy.probing) keep every row to the batch's shortest
+    accepted path: rows of one budget emit alike and finish in the same round, greedy outputs
+    are plain decoding's, and the policy is told what each row accepted, not the cut."""
+    target, drafter = pair
+    rules = StopRules(max_new_tokens=48)
+    greedy = SamplingParams(temperature=0.0)
+    texts = [*prompts(), encode_prompt(load_tokenizer(TARGET_DIR), "Name three colours.", chat=True)]
+    plain = [r.state.tokens for r in run_to_completion(PlainSession(target, 160), texts, rules, greedy)]
+    policy = ScriptedProbing([CHAIN, None, TREE, CHAIN, None, None, TREE])
+    session = SpecSession(target, drafter, None, 160, policy=policy)
+    session.static = static
+    reqs = [Request(i, p, rules, greedy) for i, p in enumerate(texts)]
+    session.add(reqs)
+    rounds = []
+    while session.rows:
+        rounds.append([len(e.tokens) for e in session.step()])
+    assert [r.state.tokens for r in reqs] == plain
+    assert all(len(set(r)) == 1 for r in rounds)  # every row emitted alike, every round
+    assert len(rounds[-1]) == len(texts)  # ... so all finished together
+    spec = [acc for arm, acc in policy.log if arm is not None]
+    assert any(len(set(acc)) > 1 for acc in spec)  # rows accepted differently: the cut was made
+    emitted = [r[0] - 1 for r in rounds]  # drafts kept per round (the same for every row)
+    assert all(min(acc) == emitted[i] for i, (arm, acc) in enumerate(policy.log) if arm is not None
+               and i < len(rounds) - 1)  # (the last round stops at the budget)
+
+
+@pytest.mark.parametrize("static", [False, True])
 def test_deferred_drafter_work_reaches_the_drafter_before_speculation(pair, static):
     """With plain decoding the choice, joins skip the drafter's prefill and a full backlog is
     spilled rather than run; when speculation resumes the drafter runs over all of it first: its
@@ -788,6 +832,57 @@ def test_switching_samples_from_the_target_distribution(tmp_path_factory, schedu
     assert rest_o <= rest_e + 5 * math.sqrt(rest_e + 1) + 5
     assert stat < _chi2_critical(int(keep.sum()) - 1), (stat, int(keep.sum()))
     assert sum(r.accepted for r in done) > 0  # speculation accepted drafts
+
+
+def test_in_step_probe_rounds_sample_from_the_target_distribution(tmp_path_factory):
+    """Probe rounds run in step (every row keeps the batch's shortest accepted path): in batches
+    of 4, where the cut falls at every depth, the joint law of generated tokens 2 and 3 is still
+    the target's (chi-square)."""
+    import math
+
+    from test_engine import BigramDrafter, _chi2_critical
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from draftsman.sampling import warp_probs
+
+    torch.manual_seed(3)
+    cfg = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    hf = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(40)
+    path = tmp_path_factory.mktemp("vocab8")
+    hf.save_pretrained(path)
+    target = draftsman.load_target(path)
+    prompt, n, batch = [1, 5, 3], 4000, 4
+    policy = ScriptedProbing([CHAIN])
+    policy.candidates = [CHAIN]
+    session = SpecSession(target, BigramDrafter(target), None, 16, seed=0, policy=policy)
+    rules, params = StopRules(max_new_tokens=3), SamplingParams(temperature=1.0, seed=0)
+    done = []
+    for g in range(n // batch):
+        reqs = [Request(g * batch + i, prompt, rules, params) for i in range(batch)]
+        session.add(reqs)
+        while session.rows:
+            session.step()
+        done += reqs
+    with torch.no_grad():
+        p1 = warp_probs(target(torch.tensor([prompt]))[0, -1], 1.0, 0, 1.0)
+        two = torch.tensor([[*prompt, a] for a in range(8)])
+        p2 = warp_probs(target(two)[:, -1], 1.0, 0, 1.0)
+        three = torch.tensor([[*prompt, a, b] for a in range(8) for b in range(8)])
+        p3 = warp_probs(target(three)[:, -1], 1.0, 0, 1.0).view(8, 8, 8)
+    expected = (p1[:, None, None] * p2[:, :, None] * p3).sum(0).flatten() * n
+    pairs = torch.tensor([r.state.tokens[1:3] for r in done])
+    observed = torch.bincount(pairs[:, 0] * 8 + pairs[:, 1], minlength=64).double()
+    keep = expected > 5
+    stat = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    rest_o, rest_e = observed[~keep].sum(), expected[~keep].sum()
+    assert rest_o <= rest_e + 5 * math.sqrt(rest_e + 1) + 5
+    assert stat < _chi2_critical(int(keep.sum()) - 1), (stat, int(keep.sum()))
+    cut = [min(acc) for arm, acc in policy.log if arm is not None]
+    assert sum(c > 0 for c in cut) > 100 and sum(c == 0 for c in cut) > 100  # the cut fell at depth 0 and past it
+    assert any(len(set(acc)) > 1 for arm, acc in policy.log)  # ... with rows that had accepted more
 
 
 def test_masks_see_no_slot_past_the_attention_limit(pair, monkeypatch):

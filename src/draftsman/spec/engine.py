@@ -114,6 +114,7 @@ class SpecSession(DecodeSession):
         self._ready_captures: tuple[int, int] = (-1, -1)
         self._ready_round: tuple[int, tuple] = (-1, ())  # (policy round, _ready_context) when made
         self._span_memo: tuple[int, dict] = (-1, {})  # (_changes, _spans per (spec, plain)) when made
+        self._in_step_flags: dict[tuple[int, bool], Tensor] = {}  # _round_inputs' flags per (rows, value)
         self._front: tuple[int, int, list] = (-1, -1, [])  # (roster, policy round, drain_front) when made
         self.catch_ups, self.catch_up_seconds = 0, 0.0  # the drafter's catch-ups (reports)
         self._plain_drain: tuple[int, int] | None = None  # (roster, batch bucket) draining plainly
@@ -353,7 +354,8 @@ class SpecSession(DecodeSession):
         self._drafter_before(arm)
         before = captures(self.target, self.drafter)
         start = time.perf_counter()
-        events, accepted = self._plain_round() if arm is None else self._spec_round()
+        in_step = self.policy.probing and batch > 1  # (rows of one budget finish together still)
+        events, accepted = self._plain_round() if arm is None else self._spec_round(in_step)
         seconds = time.perf_counter() - start  # the round ended in a host sync: its real cost
         captured = captures(self.target, self.drafter) != before
         untimed = compiling or captured  # one-off costs, not the arm's
@@ -476,7 +478,7 @@ class SpecSession(DecodeSession):
             return self.captured(self.target, self._plain_key(t_span), self.caches[:1],
                                  **{k: st[k] for k in PLAIN_STATE})
         return self.captured(self.target, self._round_key(arm, t_span, d_span), self.caches,
-                             **{k: st[k] for k in ROUND_STATE})
+                             **self._round_inputs(False))
 
     def _spans(self, spec: SpecConfig, plain: bool = False) -> tuple[int | None, int | None]:
         """The slots a round's static-shape steps attend over, target and drafter
@@ -499,16 +501,20 @@ class SpecSession(DecodeSession):
         """This round's spans (_spans of its spec)."""
         self._t_span, self._d_span = self._spans(self.spec, plain)
 
-    def _spec_round(self) -> tuple[list[Event], list[int]]:
+    def _spec_round(self, in_step: bool = False) -> tuple[list[Event], list[int]]:
+        """One speculation round: (events, accepted drafts per row as the policy weighs them).
+        in_step (adaptive sessions): every row keeps the batch's shortest accepted path and the
+        token after it (AdaptivePolicy.probing); the policy is told what each row accepted."""
         st = self.tensors
-        state = {k: st[k] for k in ROUND_STATE}
+        state = self._round_inputs(in_step)
         if self.static and self.all_greedy:
             # Greedy rounds have no host sync and fixed shapes: one graph for the whole round.
             key = self._round_key(self.spec, self._t_span, self._d_span)
-            accept_len, emitted, *new = self.run_step(self.target, key, self._greedy_round, self.caches, **state)
+            out = self.run_step(self.target, key, self._greedy_round, self.caches, **state)
         else:
-            tree = self._draft_tree(state)
-            accept_len, emitted, *new = self._verify_and_accept(tree, state["n"])
+            tree = self._draft_tree({k: state[k] for k in ROUND_STATE})
+            out = self._verify_and_accept(tree, state["n"], state.get("in_step"))
+        accept_len, emitted, *new, full = out
         # Graph outputs live in the table's shared pool, where a graph captured earlier may keep
         # its scratch: state that outlives this round is copied out.
         st["n"], st["root"], st["d_logits"], st["d_hidden"] = (x.clone() for x in new)
@@ -516,8 +522,24 @@ class SpecSession(DecodeSession):
         self._count(lens, self.spec.draft_tokens - 1)
         events = self._emit(range(len(self.rows)), [t[: a + 1] for t, a in zip(toks, lens, strict=True)])
         # What the policy weighs is what rows keep: drafts accepted past a row's budget or stop
-        # are not tokens served (short budgets end mid-round for most rows).
-        return events, [max(len(e.tokens) - 1, 0) for e in events]
+        # are not tokens served (short budgets end mid-round for most rows). In step, rows that
+        # go on are weighed by what they accepted, as a round out of step would have kept.
+        kept = [max(len(e.tokens) - 1, 0) for e in events]
+        if in_step:
+            kept = [k if e.finish_reason is not None else a for k, a, e in zip(kept, full.tolist(), events, strict=True)]
+        return events, kept
+
+    def _round_inputs(self, in_step: bool) -> dict[str, Tensor]:
+        """A speculation round's inputs: ROUND_STATE, and in adaptive sessions the rows' in-step
+        flags (one tensor per batch size and value, made once: no launch a round)."""
+        st = self.tensors
+        state = {k: st[k] for k in ROUND_STATE}
+        if self.policy is not None:
+            key = (len(self.rows), in_step)
+            if key not in self._in_step_flags:
+                self._in_step_flags[key] = torch.full((len(self.rows),), in_step, device=self.device)
+            state["in_step"] = self._in_step_flags[key]
+        return state
 
     def _count(self, lens: list[int], drafted: int) -> None:
         """Per-request statistics of a round: accepted drafts, and `drafted` tokens verified."""
@@ -599,11 +621,12 @@ class SpecSession(DecodeSession):
         st["bk_start"] = torch.zeros_like(start)
         self._plain_run = 0
 
-    def _greedy_round(self, n: Tensor, root: Tensor, d_logits: Tensor, d_hidden: Tensor) -> tuple[Tensor, ...]:
+    def _greedy_round(self, n: Tensor, root: Tensor, d_logits: Tensor, d_hidden: Tensor,
+                      in_step: Tensor | None = None) -> tuple[Tensor, ...]:
         tree = self._draft(n, root, d_logits, d_hidden)
         logits, *aux = self._target_verify(**self._verify_inputs(tree, n))
         res = greedy_accept(tree.tokens, tree.parents, logits, max_depth=self.spec.steps)
-        return self._commit(res, n, aux, graph=False)
+        return self._commit(res, n, aux, graph=False, in_step=in_step)
 
     def _draft_tree(self, state: dict[str, Tensor]) -> VerifyTree:
         """The draft phase alone (sampled rounds), graphed when static: it has no host sync."""
@@ -676,7 +699,7 @@ class SpecSession(DecodeSession):
         """_target_verify(**inputs), from a CUDA graph when static: (logits, *aux states)."""
         return self.run_step(self.target, ("verify", self.aux_ids), self._target_verify, [self.caches[0]], **inputs)
 
-    def _verify_and_accept(self, tree: VerifyTree, n: Tensor) -> tuple[Tensor, ...]:
+    def _verify_and_accept(self, tree: VerifyTree, n: Tensor, in_step: Tensor | None = None) -> tuple[Tensor, ...]:
         """Verify and accept with the per-row sampling rules."""
         logits, *aux = self._verify(self._verify_inputs(tree, n))
         if self.all_greedy:
@@ -684,11 +707,22 @@ class SpecSession(DecodeSession):
         else:  # rows at temperature 0 get one-hot probabilities: greedy acceptance for them
             res = sample_accept(tree.tokens, tree.parents, self.warped(logits), generator=self.generator,
                                 max_depth=self.spec.steps, max_width=self.spec.topk)
-        return self._commit(res, n, aux, graph=True)
+        return self._commit(res, n, aux, graph=True, in_step=in_step)
 
-    def _commit(self, res: AcceptResult, n: Tensor, aux: list[Tensor], graph: bool) -> tuple[Tensor, ...]:
+    def _commit(self, res: AcceptResult, n: Tensor, aux: list[Tensor], graph: bool,
+                in_step: Tensor | None = None) -> tuple[Tensor, ...]:
         """Move the accepted path's cache entries next to the prefix, extend the drafter over it;
-        (accept_len, emitted tokens, new n, new root, new drafter logits, new drafter hidden)."""
+        (accept_len, emitted tokens, new n, new root, new drafter logits, new drafter hidden,
+        the accepted drafts before any in-step cut). Rows flagged in_step keep the batch's
+        shortest accepted path and the token after it on theirs: still lossless, since whether
+        a row's next token is kept depends only on its tokens so far and on other rows (a
+        stopping time), and each token kept was drawn as the target's next token would be (an
+        accepted draft, or the one drawn at the first rejection)."""
+        full = res.accept_len
+        accept_len, bonus = full, res.bonus
+        if in_step is not None:  # (a flag per row, one value for all: rows padded into a graph repeat row 0)
+            accept_len = torch.where(in_step, full.min().expand_as(full), full)
+            bonus = res.accepted_tokens.gather(1, accept_len[:, None])[:, 0]
         t_cache, d_cache = self.caches
         path = res.path  # [B, D+1] node indices from the root, -1 padded
         depth = path.shape[1] - 1
@@ -700,9 +734,8 @@ class SpecSession(DecodeSession):
         feats = feats.gather(1, path.clamp(min=0)[..., None].expand(-1, -1, feats.shape[-1]))
         emitted = res.accepted_tokens
         positions = n[:, None] + torch.arange(depth + 1, device=n.device)
-        d_logits, d_hidden = self._extend(d_cache, emitted.clamp(min=0), feats, positions, res.accept_len,
-                                          graph=graph)
-        return res.accept_len, emitted, n + res.accept_len + 1, res.bonus, d_logits, d_hidden
+        d_logits, d_hidden = self._extend(d_cache, emitted.clamp(min=0), feats, positions, accept_len, graph=graph)
+        return accept_len, emitted, n + accept_len + 1, bonus, d_logits, d_hidden, full
 
 
 class SpecEngine:
