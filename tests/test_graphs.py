@@ -319,3 +319,31 @@ def test_graphed_sessions_defer_drafter_work_and_match_the_eager_drafter():
     target = draftsman.load_target(target_dir, device="cuda")
     drafter = draftsman.load_drafter(drafter_dir, target=target, device="cuda", inference=True)
     deferred_vs_eager(target, drafter, prompts(), device="cuda")
+
+
+@pytest.mark.gpu
+@gpu
+def test_graphed_probe_rounds_run_in_step_and_decode_like_plain():
+    """tests/test_adaptive's in-step probe check on the GPU (fp32, whole-round graphs): rows keep
+    the batch's shortest accepted path on probe rounds, emit alike every round, and decode as
+    plain decoding does."""
+    from helpers import ScriptedProbing
+
+    from draftsman.session import Request
+
+    target_dir, drafter_dir = draftsman.reference_pair()
+    target = draftsman.load_target(target_dir, device="cuda")
+    drafter = draftsman.load_drafter(drafter_dir, target=target, device="cuda", inference=True)
+    greedy, rules = SamplingParams(temperature=0.0), StopRules(max_new_tokens=40)
+    plain = [r.state.tokens for r in run_to_completion(PlainSession(target, 96), prompts(), rules, greedy)]
+    policy = ScriptedProbing([SPECS[0], None, SPECS[1], SPECS[0], None, SPECS[1]])
+    policy.candidates = list(SPECS)
+    session = SpecSession(target, drafter, None, 96, policy=policy)
+    reqs = [Request(i, p, rules, greedy) for i, p in enumerate(prompts())]
+    session.add(reqs)
+    rounds = []
+    while session.rows:
+        rounds.append({len(e.tokens) for e in session.step()})
+    assert [r.state.tokens for r in reqs] == plain
+    assert all(len(r) == 1 for r in rounds)
+    assert any(len(set(acc)) > 1 for arm, acc in policy.log if arm is not None)  # cuts were made
