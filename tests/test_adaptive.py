@@ -514,7 +514,7 @@ def test_probe_rounds_run_in_step_and_stay_lossless(pair, static):
     plain = [r.state.tokens for r in run_to_completion(PlainSession(target, 160), texts, rules, greedy)]
     policy = ScriptedProbing([CHAIN, None, TREE, CHAIN, None, None, TREE])
     session = SpecSession(target, drafter, None, 160, policy=policy)
-    session.static = static
+    session.static = session.pad = static  # (static: 3 rows padded to 4, as graphed rounds run)
     reqs = [Request(i, p, rules, greedy) for i, p in enumerate(texts)]
     session.add(reqs)
     rounds = []

@@ -531,13 +531,15 @@ class SpecSession(DecodeSession):
 
     def _round_inputs(self, in_step: bool) -> dict[str, Tensor]:
         """A speculation round's inputs: ROUND_STATE, and in adaptive sessions the rows' in-step
-        flags (one tensor per batch size and value, made once: no launch a round)."""
+        marks (_commit: each row's index on in-step rounds, else -1), one tensor per batch size
+        and value, made once: no launch a round."""
         st = self.tensors
         state = {k: st[k] for k in ROUND_STATE}
         if self.policy is not None:
             key = (len(self.rows), in_step)
             if key not in self._in_step_flags:
-                self._in_step_flags[key] = torch.full((len(self.rows),), in_step, device=self.device)
+                rows = torch.arange(len(self.rows), device=self.device)
+                self._in_step_flags[key] = rows if in_step else torch.full_like(rows, -1)
             state["in_step"] = self._in_step_flags[key]
         return state
 
@@ -720,8 +722,13 @@ class SpecSession(DecodeSession):
         accepted draft, or the one drawn at the first rejection)."""
         full = res.accept_len
         accept_len, bonus = full, res.bonus
-        if in_step is not None:  # (a flag per row, one value for all: rows padded into a graph repeat row 0)
-            accept_len = torch.where(in_step, full.min().expand_as(full), full)
+        if in_step is not None:
+            # in_step[i] is i on in-step rounds, else -1. Rows padded into a graph repeat row 0's
+            # value, so only rows whose value is their index are the batch's: padding rows, whose
+            # cache rows hold no request, must not set the cut.
+            rows = torch.arange(full.shape[0], device=full.device)
+            cut = torch.where(in_step == rows, full, torch.iinfo(full.dtype).max).min()
+            accept_len = torch.where(in_step >= 0, torch.minimum(full, cut), full)
             bonus = res.accepted_tokens.gather(1, accept_len[:, None])[:, 0]
         t_cache, d_cache = self.caches
         path = res.path  # [B, D+1] node indices from the root, -1 padded
