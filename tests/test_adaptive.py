@@ -457,6 +457,65 @@ def test_held_plain_rounds_are_observed():
     assert policy.round == 17
 
 
+def test_a_chosen_speculative_arm_holds_a_few_rounds_but_not_a_probe():
+    """spec_hold: the bucket's speculative choice stands unasked for up to spec_hold_rounds
+    rounds, never past the next re-measurement; probes and plain decoding get none."""
+    policy = AdaptivePolicy([CHAIN], explore_every=1000, confidence_z=0)
+    costs, taus = {PLAIN: 1.0, CHAIN: 1.5}, {PLAIN: 1, CHAIN: 4}
+    arm = policy.choose(4)
+    assert policy.probing and policy.spec_hold(4, arm) == 0  # a first timing
+    feed(policy, 4, costs, taus, 4)
+    arm = policy.choose(4)
+    assert arm == CHAIN and not policy.probing and policy.spec_hold(4, arm) == policy.spec_hold_rounds
+    assert policy.spec_hold(4, PLAIN) == 0
+    policy._next[4] = policy.round + 2  # a re-measurement two rounds on
+    assert policy.spec_hold(4, arm) == 1
+    before = policy.round
+    policy.skip(4)
+    assert policy.round == before + 1 and not policy.probing
+
+
+def test_the_best_arm_becomes_the_batch_1_choice_rather_than_a_probe():
+    """At batch 1 a confidence probe runs an arm that might beat the best; the best arm itself
+    is the choice (it was once probed every round and never made current)."""
+    policy = AdaptivePolicy([TREE], explore_every=1000)
+    feed(policy, 1, {PLAIN: 1.0, TREE: 1.5}, {PLAIN: 1, TREE: 5}, 2)  # one timing each
+    assert policy.choose(1) == TREE and not policy.probing and policy.current[1] == TREE
+
+
+def test_sessions_hold_a_speculative_choice_and_stay_lossless(pair):
+    """A session whose policy speculates asks it about one round in spec_hold_rounds + 1 (each
+    held round still observed), decodes what plain decoding does, and asks every round while
+    its batch drains (waiting 0: which arm finishes first is decided each round)."""
+    target, drafter = pair
+    rules, greedy = StopRules(max_new_tokens=60), SamplingParams(temperature=0.0)
+    plain = [r.state.tokens for r in run_to_completion(PlainSession(target, 200), prompts(), rules, greedy)]
+
+    def run(waiting):
+        """(choices asked, rounds run)"""
+        policy = AdaptivePolicy([CHAIN], explore_every=1000, plain_margin=-0.9, single_row_margin=-0.9)
+        asked, observed = [], []
+        choose, observe = policy.choose, policy.observe
+        policy.choose = lambda *a, **k: asked.append(1) or choose(*a, **k)
+        policy.observe = lambda arm, *a, **k: observed.append(arm) or observe(arm, *a, **k)
+        session = SpecSession(target, drafter, None, 200, policy=policy)
+        session.waiting = waiting
+        reqs = [Request(i, p, rules, greedy) for i, p in enumerate(prompts())]
+        session.add(reqs)
+        steps = 0
+        while session.rows:
+            session.step()
+            steps += 1
+        assert [r.state.tokens for r in reqs] == plain
+        assert len(observed) == steps and observed.count(CHAIN) > steps - 3  # (speculation is the choice)
+        return len(asked), steps
+
+    asked, steps = run(None)
+    assert asked <= steps / (AdaptivePolicy.spec_hold_rounds + 1) + 4  # (first timings; a new bucket)
+    asked, steps = run(0)
+    assert asked == steps  # draining: asked every round
+
+
 def test_one_large_round_does_not_swing_tau():
     """At batch 64 a round holds 64 rows: its weight in τ is capped (tau_round_cap), so one
     round's acceptance moves τ by at most that share once the estimate is warm."""

@@ -48,6 +48,13 @@ same requests' prefills falls in plain_margin. And speculation must beat plain d
 the policy speculates: costs no estimate sees (the drafter's catch-up after plain stretches,
 re-measurements, a batch's slow tail when rows finish apart) fall on speculation.
 
+A choice costs host time (the rates of every arm, graph-readiness questions): the session asks
+again only after a few rounds of the same choice with the rows unchanged (plain_hold: up to
+hold_rounds; spec_hold: up to spec_hold_rounds while requests wait or may come), each held round
+still observed. A one-round measurement (first timing, re-measurement, confidence probe) is
+flagged `probing`; at batch > 1 the session runs it in step (every row keeps the batch's
+shortest accepted path) so that rows of one budget still finish together.
+
 When no request waits for a slot and none will come (the session's `waiting` is 0: the running
 rows are the last of a batch job, as its driver knows; a server, where requests come at any
 time, leaves it unknown), what counts is when the last of them finishes, not tokens per row:
@@ -169,6 +176,13 @@ class AdaptivePolicy:
     # launch-bound plain step pays in full; while plain rounds run, only plain's own round time
     # changes what choose would answer, and the round that asks again times it.
     hold_rounds: int = 16
+    # ... and a speculative arm chosen as the bucket's arm (not a probe), while requests wait or
+    # may come (a draining batch decides every round): up to this many rounds unasked
+    # (spec_hold), each still observed. Asked every round, the policy cost a tree round 61-110 us
+    # of host time on the H100 (choose) besides its observation, 4-9% of the round
+    # (results/h100_adaptive_overhead_b{1,4}_f0702a7.json), most of what the T=0 batch-1 goal
+    # allows; a hold this short delays a switch by at most 4 rounds.
+    spec_hold_rounds: int = 4
     max_explore_every: int = 1024  # ... doubling up to this while they change nothing
     # Confidence probes (batch 1): an arm whose optimistic rate (τ raised, round time lowered, by
     # confidence_z standard errors of what it has measured) beats the best arm's score is run
@@ -356,14 +370,13 @@ class AdaptivePolicy:
                     ) -> dict[SpecConfig, float]:
         """The speculative arms whose optimistic score (τ raised, round time lowered, by
         confidence_z standard errors) beats `best` by switch_margin, with that score: arms timed
-        in this bucket, not the bucket's current choice, and ready (a capture costs several
-        rounds). None with confidence_z 0."""
+        in this bucket and ready (a capture costs several rounds). None with confidence_z 0."""
         upper: dict[SpecConfig, float] = {}
         if self.confidence_z <= 0:
             return upper
         for arm in self.candidates:
             e = self.estimate(arm, batch)
-            if e.seconds is None or arm == self.current.get(bucket(batch)):
+            if e.seconds is None:
                 continue
             tau = self._tau_upper(arm)
             if tau is None:
@@ -430,14 +443,7 @@ class AdaptivePolicy:
                 self.probing = True
                 return probes[0]
         best = max(scores, key=lambda arm: scores[arm])
-        # A confidence probe: one round, not made the bucket's choice. At batch 1 only: there a
-        # round's acceptance is one draw and rows cannot finish apart; at larger batches a round
-        # brings as many draws, and a probe round sets rows of one budget apart (on the H100 at
-        # batch 16 one probe round left rows joining one by one, each join ~3 ms).
-        upper = self._optimistic(batch, scores[best], is_ready) if batch == 1 else {}
-        if upper:
-            self.probing = True
-            return max(upper, key=lambda arm: upper[arm])
+        top = scores[best]
         if not is_ready(best):
             # A capture costs several rounds: the best captured arm, unless the gain clearly pays
             captured = [arm for arm in scores if is_ready(arm)]
@@ -451,6 +457,16 @@ class AdaptivePolicy:
                 current = best
         else:  # the first choice in this bucket, or the current arm needs a capture (a new span)
             current = best
+        # A confidence probe: one round, not made the bucket's choice. At batch 1 only: there a
+        # round's acceptance is one draw and rows cannot finish apart; at larger batches a round
+        # brings as many draws, and a probe round sets rows of one budget apart (on the H100 at
+        # batch 16 one probe round left rows joining one by one, each join ~3 ms). The arm of
+        # highest optimistic score runs; when that is the choice itself, it runs as the choice
+        # (once, a best arm not yet the choice ran as a probe every round and never became it).
+        upper = self._optimistic(batch, top, is_ready) if batch == 1 else {}
+        if upper and (probe := max(upper, key=lambda arm: upper[arm])) != current:
+            self.probing = True
+            return probe
         if b in self._probed:  # the first choice after a re-measurement: back off if it changed nothing
             changed = self._probed.pop(b) != current
             self._interval[b] = self.explore_every if changed else min(2 * interval, self.max_explore_every)
@@ -468,12 +484,27 @@ class AdaptivePolicy:
             return 0
         return max(0, min(self.hold_rounds, self._next.get(b, self.round) - self.round - 1))
 
-    def held(self, batch: int, seconds: float) -> None:
-        """A plain round the session ran on a held choice (plain_hold) instead of asking, in
-        `seconds`: observed as any plain round, and counted as a choice made in the bucket
-        (re-measurements and staleness count rounds)."""
+    def spec_hold(self, batch: int, arm: SpecConfig | None) -> int:
+        """Rounds after this one for which `arm`, a speculative arm just chosen as this batch
+        size's arm (not a probe), stands without asking (the rows unchanged): at most
+        spec_hold_rounds, and none past the next re-measurement; 0 otherwise."""
+        b = bucket(batch)
+        if arm is PLAIN or self.probing or self.current.get(b) != arm:
+            return 0
+        return max(0, min(self.spec_hold_rounds, self._next.get(b, self.round) - self.round - 1))
+
+    def skip(self, batch: int) -> None:
+        """A round the session runs on a held choice (plain_hold, spec_hold) instead of asking:
+        counted as a choice made in the bucket (re-measurements and staleness count rounds);
+        the session observes it as any other."""
         self.round += 1
         self._bucket_rounds += 1
+        self.settled = self.probing = False
+
+    def held(self, batch: int, seconds: float) -> None:
+        """A plain round the session ran on a held choice (plain_hold) instead of asking, in
+        `seconds`: skip, then observed as any plain round."""
+        self.skip(batch)
         self.observe(PLAIN, batch, seconds, ())
 
     def _drain_choice(self, b: int, rates: dict, drain: Sequence[tuple[int, float]],

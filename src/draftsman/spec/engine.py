@@ -118,8 +118,9 @@ class SpecSession(DecodeSession):
         self._front: tuple[int, int, list] = (-1, -1, [])  # (roster, policy round, drain_front) when made
         self.catch_ups, self.catch_up_seconds = 0, 0.0  # the drafter's catch-ups (reports)
         self._plain_drain: tuple[int, int] | None = None  # (roster, batch bucket) draining plainly
-        # (roster, batch bucket, policy round) plain decoding holds until, unasked (plain_hold)
-        self._plain_hold: tuple[int, int, int] = (-1, -1, -1)
+        # (roster, batch bucket, policy round, arm): the arm chosen holds until that round,
+        # unasked (plain decoding: plain_hold; a speculative arm: spec_hold)
+        self._hold: tuple[int, int, int, SpecConfig | None] = (-1, -1, -1, None)
         # Deferred drafter work (adaptive sessions decoding plainly): per request, the
         # (token, feature) pairs not yet in the drafter's cache, as chunks (tokens [L], features
         # [L, F], position of the first), run through the drafter only when speculation is next
@@ -309,9 +310,9 @@ class SpecSession(DecodeSession):
             return self._spec_round()[0]
         batch, rows = len(self.rows), self.rows
         draining = self.waiting == 0 and self._plain_drain == (self.roster, pow2_ceil(batch))
-        roster, bucket_, until = self._plain_hold
+        roster, bucket_, until, held = self._hold
         holding = roster == self.roster and bucket_ == pow2_ceil(batch) and self.policy.round < until
-        if draining or holding:
+        if draining or (holding and held is None):
             # Plain decoding chosen for these rows, unchanged since (so their mix, spans' shapes
             # and graphs too): the policy is not asked (its choice and readiness questions took
             # ~90 us a round at batch 64 on the H200 host, results/h200_adaptive_overhead_session13.json;
@@ -330,10 +331,17 @@ class SpecSession(DecodeSession):
             self._observe_finished(rows)
             return events
         classes = self._classes()
-        arm = self.policy.choose(batch, ready=self._captured, drain=self._drain())
-        self._plain_drain = (self.roster, pow2_ceil(batch)) if self.policy.settled else None
-        hold = 0 if arm is not None else self.policy.plain_hold(batch)
-        self._plain_hold = (self.roster, pow2_ceil(batch), self.policy.round + hold)
+        if holding and self.waiting != 0:  # a speculative arm chosen for these rows, unchanged since: unasked
+            arm = held
+            self.policy.skip(batch)
+        else:
+            arm = self.policy.choose(batch, ready=self._captured, drain=self._drain())
+            self._plain_drain = (self.roster, pow2_ceil(batch)) if self.policy.settled else None
+            if arm is None:
+                hold = self.policy.plain_hold(batch)
+            else:  # (not while the batch drains: which arm finishes first is decided every round)
+                hold = self.policy.spec_hold(batch, arm) if self.waiting != 0 else 0
+            self._hold = (self.roster, pow2_ceil(batch), self.policy.round + hold, arm)
         shape = (arm, pow2_ceil(batch))  # compiled forwards specialize on the padded batch
         compiling = self.compile and shape not in self._compiled_shapes
         self._compiled_shapes.add(shape)
