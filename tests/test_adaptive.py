@@ -850,17 +850,9 @@ def test_catch_up_covers_rows_that_joined_during_the_plain_stretch(pair):
                                    atol=1e-4)
 
 
-@pytest.mark.parametrize("schedule", [[None, TREE], [TREE, None, CHAIN]], ids=["plain-then-tree", "tree-plain-chain"])
-def test_switching_samples_from_the_target_distribution(tmp_path_factory, schedule):
-    """Vocabulary of 8, 4000 rows: with rounds switching between plain steps and speculation,
-    the joint law of generated tokens 2 and 3 equals the target's (chi-square), as it must for
-    lossless sampling."""
-    import math
-
-    from test_engine import BigramDrafter, _chi2_critical
+def vocab8_target(tmp_path_factory):
+    """A 4-layer Llama with a vocabulary of 8 and a peaked (not degenerate) distribution."""
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from draftsman.sampling import warp_probs
 
     torch.manual_seed(3)
     cfg = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
@@ -870,12 +862,19 @@ def test_switching_samples_from_the_target_distribution(tmp_path_factory, schedu
         hf.lm_head.weight.mul_(40)
     path = tmp_path_factory.mktemp("vocab8")
     hf.save_pretrained(path)
-    target = draftsman.load_target(path)
-    prompt, n = [1, 5, 3], 4000
-    policy = Scripted(schedule)
-    policy.candidates = [CHAIN, TREE]
-    session = SpecSession(target, BigramDrafter(target), None, 16, seed=0, policy=policy)
-    done = run_to_completion(session, [prompt] * n, StopRules(max_new_tokens=3), SamplingParams(temperature=1.0, seed=0))
+    return draftsman.load_target(path)
+
+
+def assert_tokens_2_3_follow_the_target(target, prompt, done) -> None:
+    """The joint law of generated tokens 2 and 3 over `done` (requests from `prompt`, sampled at
+    T=1) equals the target's, computed exactly (chi-square, sparse bins pooled)."""
+    import math
+
+    from test_engine import _chi2_critical
+
+    from draftsman.sampling import warp_probs
+
+    n = len(done)
     with torch.no_grad():
         p1 = warp_probs(target(torch.tensor([prompt]))[0, -1], 1.0, 0, 1.0)  # [8]
         two = torch.tensor([[*prompt, a] for a in range(8)])
@@ -890,6 +889,22 @@ def test_switching_samples_from_the_target_distribution(tmp_path_factory, schedu
     rest_o, rest_e = observed[~keep].sum(), expected[~keep].sum()
     assert rest_o <= rest_e + 5 * math.sqrt(rest_e + 1) + 5
     assert stat < _chi2_critical(int(keep.sum()) - 1), (stat, int(keep.sum()))
+
+
+@pytest.mark.parametrize("schedule", [[None, TREE], [TREE, None, CHAIN]], ids=["plain-then-tree", "tree-plain-chain"])
+def test_switching_samples_from_the_target_distribution(tmp_path_factory, schedule):
+    """Vocabulary of 8, 4000 rows: with rounds switching between plain steps and speculation,
+    the joint law of generated tokens 2 and 3 equals the target's (chi-square), as it must for
+    lossless sampling."""
+    from test_engine import BigramDrafter
+
+    target = vocab8_target(tmp_path_factory)
+    prompt, n = [1, 5, 3], 4000
+    policy = Scripted(schedule)
+    policy.candidates = [CHAIN, TREE]
+    session = SpecSession(target, BigramDrafter(target), None, 16, seed=0, policy=policy)
+    done = run_to_completion(session, [prompt] * n, StopRules(max_new_tokens=3), SamplingParams(temperature=1.0, seed=0))
+    assert_tokens_2_3_follow_the_target(target, prompt, done)
     assert sum(r.accepted for r in done) > 0  # speculation accepted drafts
 
 
@@ -897,22 +912,9 @@ def test_in_step_probe_rounds_sample_from_the_target_distribution(tmp_path_facto
     """Probe rounds run in step (every row keeps the batch's shortest accepted path): in batches
     of 4, where the cut falls at every depth, the joint law of generated tokens 2 and 3 is still
     the target's (chi-square)."""
-    import math
+    from test_engine import BigramDrafter
 
-    from test_engine import BigramDrafter, _chi2_critical
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from draftsman.sampling import warp_probs
-
-    torch.manual_seed(3)
-    cfg = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
-    hf = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(40)
-    path = tmp_path_factory.mktemp("vocab8")
-    hf.save_pretrained(path)
-    target = draftsman.load_target(path)
+    target = vocab8_target(tmp_path_factory)
     prompt, n, batch = [1, 5, 3], 4000, 4
     policy = ScriptedProbing([CHAIN])
     policy.candidates = [CHAIN]
@@ -925,20 +927,7 @@ def test_in_step_probe_rounds_sample_from_the_target_distribution(tmp_path_facto
         while session.rows:
             session.step()
         done += reqs
-    with torch.no_grad():
-        p1 = warp_probs(target(torch.tensor([prompt]))[0, -1], 1.0, 0, 1.0)
-        two = torch.tensor([[*prompt, a] for a in range(8)])
-        p2 = warp_probs(target(two)[:, -1], 1.0, 0, 1.0)
-        three = torch.tensor([[*prompt, a, b] for a in range(8) for b in range(8)])
-        p3 = warp_probs(target(three)[:, -1], 1.0, 0, 1.0).view(8, 8, 8)
-    expected = (p1[:, None, None] * p2[:, :, None] * p3).sum(0).flatten() * n
-    pairs = torch.tensor([r.state.tokens[1:3] for r in done])
-    observed = torch.bincount(pairs[:, 0] * 8 + pairs[:, 1], minlength=64).double()
-    keep = expected > 5
-    stat = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()
-    rest_o, rest_e = observed[~keep].sum(), expected[~keep].sum()
-    assert rest_o <= rest_e + 5 * math.sqrt(rest_e + 1) + 5
-    assert stat < _chi2_critical(int(keep.sum()) - 1), (stat, int(keep.sum()))
+    assert_tokens_2_3_follow_the_target(target, prompt, done)
     cut = [min(acc) for arm, acc in policy.log if arm is not None]
     assert sum(c > 0 for c in cut) > 100 and sum(c == 0 for c in cut) > 100  # the cut fell at depth 0 and past it
     assert any(len(set(acc)) > 1 for arm, acc in policy.log)  # ... with rows that had accepted more

@@ -482,7 +482,7 @@ class AdaptivePolicy:
         b = bucket(batch)
         if b not in self.current or self.current[b] is not PLAIN:
             return 0
-        return max(0, min(self.hold_rounds, self._next.get(b, self.round) - self.round - 1))
+        return self._hold_for(b, self.hold_rounds)
 
     def spec_hold(self, batch: int, arm: SpecConfig | None) -> int:
         """Rounds after this one for which `arm`, a speculative arm just chosen as this batch
@@ -491,7 +491,12 @@ class AdaptivePolicy:
         b = bucket(batch)
         if arm is PLAIN or self.probing or self.current.get(b) != arm:
             return 0
-        return max(0, min(self.spec_hold_rounds, self._next.get(b, self.round) - self.round - 1))
+        return self._hold_for(b, self.spec_hold_rounds)
+
+    def _hold_for(self, b: int, rounds: int) -> int:
+        """A hold in bucket b of at most `rounds` rounds after this one, none past its next
+        re-measurement."""
+        return max(0, min(rounds, self._next.get(b, self.round) - self.round - 1))
 
     def skip(self, batch: int) -> None:
         """A round the session runs on a held choice (plain_hold, spec_hold) instead of asking:
