@@ -214,7 +214,8 @@ class DecodeSession(abc.ABC):
     @abc.abstractmethod
     def _prefill(self, ids: Tensor, lengths: Tensor, sampling: dict[str, Tensor]
                  ) -> tuple[list[StaticCache], dict[str, Tensor], Tensor]:
-        """Prefill a batch of newcomers: (their caches, their per-row tensors, first tokens [B])."""
+        """Prefill a batch of newcomers: (their caches, their per-row tensors, first tokens [B]). A
+        cache may be None: its rows are written by the session before any is read (_join)."""
 
     @abc.abstractmethod
     def _round(self) -> list[Event]:
@@ -383,10 +384,12 @@ class DecodeSession(abc.ABC):
             return (out.logits[:, 0], torch.cat(out.aux_hidden, -1)) if aux_layer_ids else (out.logits[:, 0],)
         return step
 
-    def _join(self, rows: list[Request], caches: list[StaticCache], tensors: dict[str, Tensor]) -> None:
+    def _join(self, rows: list[Request], caches: list[StaticCache | None], tensors: dict[str, Tensor]) -> None:
         self._changes += 1
         self.roster += 1
         if not self.caches:
+            if any(c is None for c in caches):
+                raise ValueError("the first rows to join must bring every cache")
             # A staging cache is reused by the next prefill: the running rows get their own.
             staged = {id(c) for c in self._staging.values()}
             caches = [c.clone_rows() if id(c) in staged else c for c in caches]
@@ -396,7 +399,10 @@ class DecodeSession(abc.ABC):
         # allocations (and the CUDA graphs captured over them) are kept.
         self.rows += rows
         for mine, theirs in zip(self.caches, caches, strict=True):
-            mine.append_rows(theirs)
+            if theirs is None:  # rows the session writes before any is read: no copy
+                mine.use_rows(mine.batch_size + len(rows))
+            else:
+                mine.append_rows(theirs)
         self.tensors = {k: torch.cat([v, tensors[k]]) for k, v in self.tensors.items()}
 
     def _keep(self, keep: list[int]) -> None:

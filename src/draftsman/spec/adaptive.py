@@ -102,12 +102,27 @@ def bucket(batch: int) -> int:
 class Estimate:
     """Round time of one arm in one batch bucket (AdaptivePolicy.window)."""
 
-    seconds: float | None = None  # per round: the median of `recent`
     recent: deque = field(default_factory=deque)  # the last timed rounds' seconds (maxlen: the window)
     rounds: int = 0  # rounds observed, timed or not
     last_seen: int = -1  # policy round counter at the last observation
     untimed: int = 0  # rounds that reported no time (they captured a CUDA graph or compiled)
     total: float = 0.0  # seconds of all timed rounds (reports)
+    _median: float | None = None  # of `recent`, when `_fresh`
+    _fresh: bool = True
+
+    def add(self, seconds: float) -> None:
+        """One timed round (the window's oldest drops out)."""
+        self.total += seconds
+        self.recent.append(seconds)
+        self._fresh = False
+
+    @property
+    def seconds(self) -> float | None:
+        """Per round: the median of `recent` (None before a timed round). Made when read: held
+        plain rounds are observed every round but read only when the policy is next asked."""
+        if not self._fresh:
+            self._median, self._fresh = statistics.median(self.recent), True
+        return self._median
 
 
 @dataclass
@@ -600,9 +615,7 @@ class AdaptivePolicy:
                 self._observe_tau((arm, cls), acc)
         if seconds is not None:
             self._bucket_seconds += seconds
-            e.total += seconds
-            e.recent.append(seconds)  # (the window's oldest drops out)
-            e.seconds = statistics.median(e.recent)
+            e.add(seconds)
 
     def _observe_tau(self, key: tuple, accepted: Sequence[int]) -> None:
         """A round's accepted drafts of the rows of one class, into that (arm, class) τ."""

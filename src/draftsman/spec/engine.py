@@ -144,24 +144,31 @@ class SpecSession(DecodeSession):
         last = (lengths - 1)[:, None]
         positions = torch.arange(t, device=ids.device).expand(b, t)
         staged = self._staged_prefill(ids)
+        # Plain decoding is the running batch's choice: the drafter's prefill waits until
+        # speculation is next tried, and rows that finish before never pay it (on CPU the joins'
+        # drafter prefills cost the adaptive arm 0.6-3% against plain decoding). Its cache rows
+        # are then not made here: the running drafter cache grows by rows that the deferred
+        # prefill writes before any is read (DecodeSession._join; a staging cache's copy was two
+        # more launches and a cache's worth of copying per join).
+        lazy = self._d_like is not None and self._lazy(len(self.rows) + b)
+        d_cache = None
         if staged:  # static steps over staging caches (graphed): see DecodeSession._staged_prefill
             t_cache = self.staging("target", lambda r: self.target.new_cache(r, self.max_len + t_extra), b)
-            d_cache = self.staging("drafter", lambda r: self.drafter.new_cache(r, self.max_len + d_extra), b)
+            if not lazy:
+                d_cache = self.staging("drafter", lambda r: self.drafter.new_cache(r, self.max_len + d_extra), b)
             logits, feats = self.run_step(self.target, ("prefill", self.aux_ids),
                                           self.staged_target_prefill(t_cache, self.aux_ids), [t_cache], ids=ids,
                                           last=last)
         else:
             t_cache = self.target.new_cache(b, self.prefill_slots(self.max_len + t_extra, t))
-            d_cache = self.drafter.new_cache(b, self.prefill_slots(self.max_len + d_extra, t))
+            if not lazy:
+                d_cache = self.drafter.new_cache(b, self.prefill_slots(self.max_len + d_extra, t))
             out = self.target.run(ids, cache=t_cache, aux_layer_ids=self.aux_ids, logits_index=last)
             logits, feats = out.logits[:, 0], torch.cat(out.aux_hidden, -1)
         first = self.sample_first(logits, sampling)
         # Drafter pairs (x_{i+1}, f_i): the prompt shifted by one, the new token at len-1.
         shifted = torch.cat([ids[:, 1:], ids[:, :1]], 1).scatter(1, last, first[:, None])
-        if self._d_like is not None and self._lazy(len(self.rows) + b):
-            # Plain decoding is the running batch's choice: the drafter's prefill waits until
-            # speculation is next tried, and rows that finish before never pay it (on CPU the
-            # joins' drafter prefills cost the adaptive arm 0.6-3% against plain decoding).
+        if lazy:
             # (one copy of a staged prefill's features, a graph output; rows' chunks are views)
             kept = feats.clone() if staged else feats
             self._joining = [(shifted[i, :k], kept[i, :k], 0) for i, k in enumerate(lengths.tolist())]
@@ -221,7 +228,7 @@ class SpecSession(DecodeSession):
         if self.policy is not None and running and seconds is not None:
             self.policy.observe_join(seconds)
 
-    def _join(self, rows: list[Request], caches: list[StaticCache], tensors: dict[str, Tensor]) -> None:
+    def _join(self, rows: list[Request], caches: list[StaticCache | None], tensors: dict[str, Tensor]) -> None:
         super()._join(rows, caches, tensors)
         if self._joining is not None:
             for row, chunk in zip(rows, self._joining, strict=True):
