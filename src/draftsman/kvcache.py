@@ -150,6 +150,10 @@ class StaticCache:
         self.buffers = {name: base[:, :rows] for name, base in self._base.items()}
         self.batch_size = rows
 
+    def drop_rows(self) -> None:
+        """Every row leaves (views of none: no copy, the allocation kept)."""
+        self.use_rows(0)
+
     def clone_rows(self) -> StaticCache:
         """A new cache holding copies of the live rows (an allocation of its own)."""
         return StaticCache({name: buf.clone() for name, buf in self.buffers.items()})

@@ -410,6 +410,12 @@ class DecodeSession(abc.ABC):
             return
         self._changes += 1
         self.roster += 1
+        if not keep:  # every row leaves (at batch 1, every request's end): nothing to move
+            self.rows = []
+            for cache in self.caches:
+                cache.drop_rows()
+            self.tensors = {k: v[:0] for k, v in self.tensors.items()}
+            return
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         self.rows = [self.rows[i] for i in keep]
         used = self.longest_row()  # (of the kept rows: _changes moved above)

@@ -293,6 +293,9 @@ class ShardedCache(StaticCache):
                 bufs[name] = buf[rows.to(buf.device)].contiguous()
         self.batch_size = int(rows.numel())
 
+    def drop_rows(self) -> None:
+        self.select_rows(torch.empty(0, dtype=torch.long))
+
     def append_rows(self, other: StaticCache) -> None:
         if not isinstance(other, ShardedCache) or (other.num_layers, other.max_len) != (self.num_layers, self.max_len):
             raise ValueError("appended cache rows must be a ShardedCache with the same layers and max_len")

@@ -182,7 +182,8 @@ class SpecSession(DecodeSession):
             d_logits, d_hidden = (x.clone() for x in out)  # graph outputs: they outlive the next replay
         else:
             d_logits, d_hidden = self._extend(d_cache, shifted, feats, positions, lengths - 1, prefill=True)
-        self._d_like = tuple(x.new_empty(0, *x.shape[1:]) for x in (d_logits, d_hidden))
+        if self._d_like is None:  # (shapes, dtypes and device stay: made once)
+            self._d_like = tuple(x.new_empty(0, *x.shape[1:]) for x in (d_logits, d_hidden))
         state = {"n": lengths.clone(), "root": first, "d_logits": d_logits, "d_hidden": d_hidden, **sampling}
         if self.policy is not None:  # (token, feature) pairs of plain rounds, for the drafter
             # (columns: plain rounds since the last catch-up; newcomers' pairs start at this one)
