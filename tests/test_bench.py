@@ -131,11 +131,21 @@ def test_in_process_lossless_and_consistent(inproc):
     assert result["speedup"] == pytest.approx(result["spec_tokens_per_s"] / result["plain_tokens_per_s"])
 
 
-def test_adaptive_arm_is_lossless_and_reports_its_choices(pair):
+def test_adaptive_arm_is_lossless_and_reports_its_choices(pair, monkeypatch):
+    """... and is timed right after plain decoding, its reference (results keep their order)."""
     target_dir, drafter_dir, dataset = pair
+    timed, drive = [], bench.drive_session
+
+    def logged(session, requests, max_running, *a, **k):
+        if not str(requests[0].request_id).startswith("warmup"):
+            timed.append("adaptive" if getattr(session, "policy", None) else getattr(session, "spec", None))
+        return drive(session, requests, max_running, *a, **k)
+
+    monkeypatch.setattr(bench, "drive_session", logged)
     _, result = run_main("bench", "--target", str(target_dir), "--drafter", str(drafter_dir), "--dataset", dataset,
                          "--num-prompts", "4", "--max-new-tokens", "12", "--spec-steps", "2", "--spec-topk", "1,2",
                          "--spec-adaptive", "--json")
+    assert timed[:2] == [None, "adaptive"] and len(timed) == 4
     arms = {a["arm"]: a for a in result["arms"]}
     assert list(arms) == ["plain", "spec-s2-k1-n3", "spec-s2-k2-n7", "spec-adaptive"]
     adaptive = arms["spec-adaptive"]

@@ -546,11 +546,18 @@ def bench_in_process(target, drafter, specs: Sequence[SpecConfig], workload: Wor
     (speculative vs plain outputs at temperature 0). With workload.repeats > 1 every arm's
     session is warmed up first, then the timed runs go round the arms `repeats` times (each
     round starting one arm further on), and each arm reports its run of median duration
-    (`durations_s`: all of them): a machine's drift during the run falls on every arm alike."""
+    (`durations_s`: all of them): a machine's drift during the run falls on every arm alike.
+    Arms run plain decoding first, then the adaptive arm, then the fixed ones; results come in
+    the order plain, fixed, adaptive."""
     arms: list[dict] = []
     greedy = workload.params.temperature == 0
     for bs in workload.batch_sizes:
         order = [None, *specs, *([ADAPTIVE] if adaptive else [])]
+        # The adaptive arm runs next to plain decoding, its reference: run last, it came a minute
+        # or more after it, behind every fixed arm's warm-up and run, and on the H100 the host's
+        # speed has moved between arms run in turn (run_step's host time 219 against 92 us a
+        # step, results/h100_adaptive_overhead_b1_f0702a7.json).
+        runs_in = [0, *([len(order) - 1] if adaptive else []), *range(1, len(order) - adaptive)]
         # Warm-up and timed runs share one session per arm, as a server keeps one for its
         # lifetime: its cache allocations, so the CUDA graphs captured over them in the warm-up
         # replay in the timed run (a new session's caches would need new captures, each costing
@@ -561,10 +568,10 @@ def bench_in_process(target, drafter, specs: Sequence[SpecConfig], workload: Wor
         runs: dict = {i: [] for i in range(len(order))}  # (run, graph captures, catch-ups, catch-up s)
         results: dict = {}
         if live:
-            sessions = {i: _warm_session(target, drafter, spec, specs, workload, bs) for i, spec in enumerate(order)}
+            sessions = {i: _warm_session(target, drafter, order[i], specs, workload, bs) for i in runs_in}
         for rep in range(workload.repeats):
             for j in range(len(order)):
-                i = (rep + j) % len(order)  # (each repeat starts one arm further on)
+                i = runs_in[(rep + j) % len(order)]  # (each repeat starts one arm further on)
                 if i not in sessions:
                     sessions[i] = _warm_session(target, drafter, order[i], specs, workload, bs)
                 session = sessions[i][0]

@@ -1,0 +1,141 @@
+"""What a plain session and an adaptive session decoding plainly do on the host outside their
+model steps, counted: the aten ops dispatched per round and per join, with every model step
+(`run_step`) memoized, so only the session's own work runs. On a GPU each non-view op is a
+launch of ~5-10 us of host time; a launch-bound step (small models, small batches) pays them in
+full, which timings on a shared machine cannot resolve to single ops. The adaptive session's
+policy is `PlainHeld` (h200_adaptive_overhead.py: speculation observed slow, plain decoding
+chosen and held as in real sessions where it loses). Static shapes and padded batches are
+forced on, as on CUDA, so the counted path is the GPU's (its graphs replaced by the memo).
+
+    python benchmarks/host_ops.py --out benchmarks/results/host_ops_cpu.json
+
+Prints one JSON line: per (temperature, batch size, arm) ops, non-view ops and model steps per
+round and per join, and the adaptive arm's non-view ops over the plain arm's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter
+
+import torch
+from h200_adaptive_overhead import PlainHeld  # benchmarks/ is on sys.path when run as a script
+from h200_json import write_results
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import draftsman
+from draftsman.bench import Workload, _requests, drive_session, load_prompt_set, make_session
+from draftsman.generate import StopRules
+from draftsman.sampling import SamplingParams
+from draftsman.spec.adaptive import DEFAULT_CANDIDATES
+from draftsman.spec.engine import SpecSession
+from draftsman.tokenizer import encode_prompt, load_tokenizer
+
+# Ops that make views or read scalars: no kernel launch on a GPU
+VIEWS = frozenset({"select", "slice", "alias", "view", "unsqueeze", "expand", "_unsafe_view", "t", "transpose",
+                   "permute", "lift_fresh", "_local_scalar_dense", "split", "detach", "squeeze"})
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every aten op dispatched while active, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def host_only(session):
+    """The session with static shapes and padding on, its model steps memoized per (kind,
+    input shapes): the first call of each runs, later ones return its outputs."""
+    session.static = session.pad = session.graph_prefill = True
+    memo: dict = {}
+    run_step = session.run_step
+
+    def memoized(module, kind, fn, caches, **inputs):
+        key = (repr(kind), tuple((k, tuple(v.shape)) for k, v in inputs.items()))
+        if key not in memo:
+            memo[key] = run_step(module, kind, fn, caches, **inputs)
+        memo["calls"] = memo.get("calls", 0) + 1
+        return memo[key]
+
+    session.run_step = memoized
+    return session, memo
+
+
+def count(session, memo: dict, requests, batch: int) -> dict:
+    """Ops per round (`step`) and per join (`add`) over one drive_session run."""
+    totals = {"join": Counter(), "step": Counter()}
+    calls, steps = Counter(), Counter()
+    methods = {"join": session.add, "step": session.step}
+
+    def counted(kind: str):
+        def call(*args, **kwargs):
+            before = memo.get("calls", 0)
+            with OpCounter() as c:
+                out = methods[kind](*args, **kwargs)
+            totals[kind].update(c.ops)
+            calls[kind] += 1
+            steps[kind] += memo.get("calls", 0) - before
+            return out
+        return call
+
+    session.add, session.step = counted("join"), counted("step")
+    drive_session(session, requests, batch)
+    del session.add, session.step
+    out = {}
+    for kind, ops in totals.items():
+        n = max(calls[kind], 1)
+        out[kind] = {"count": calls[kind], "ops": sum(ops.values()) / n,
+                     "non_view_ops": sum(v for k, v in ops.items() if k not in VIEWS) / n,
+                     "model_steps": steps[kind] / n,
+                     "top": {k: round(v / n, 2) for k, v in ops.most_common() if k not in VIEWS}}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dataset", default="mt-bench")
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--batch-sizes", default="1,4")
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    target_dir, drafter_dir = draftsman.reference_pair()
+    target = draftsman.load_target(target_dir, device="cpu", dtype=torch.float32)
+    drafter = draftsman.load_drafter(drafter_dir, target=target, device="cpu", dtype=torch.float32, inference=True)
+    tok = load_tokenizer(target_dir)
+    prompts = [encode_prompt(tok, t, chat=True) for t in load_prompt_set(args.dataset, args.num_prompts)]
+    rows = []
+    for temperature in map(float, args.temperatures.split(",")):
+        w = Workload(prompts, StopRules(max_new_tokens=args.max_new_tokens), SamplingParams(temperature=temperature),
+                     seed=0)
+        for bs in map(int, args.batch_sizes.split(",")):
+            arms = {"plain": make_session(target, drafter, None, w),
+                    "adaptive": SpecSession(target, drafter, None, w.max_len, seed=0,
+                                            policy=PlainHeld(DEFAULT_CANDIDATES))}
+            row = {"temperature": temperature, "batch_size": bs}
+            for name, session in arms.items():
+                session, memo = host_only(session)
+                for i in range(2):  # the memo fills; the policy settles
+                    drive_session(session, _requests(prompts, w, f"warmup{i}-"), bs)
+                row[name] = count(session, memo, _requests(prompts, w), bs)
+            for kind in ("step", "join"):
+                row[f"{kind}_non_view_ops_adaptive_over_plain"] = (row["adaptive"][kind]["non_view_ops"]
+                                                                   / row["plain"][kind]["non_view_ops"])
+            rows.append(row)
+    result = {"device": "cpu (the GPU's static path, model steps memoized)", "torch": torch.__version__,
+              "dataset": args.dataset, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+              "date": time.strftime("%Y-%m-%d"), "rows": rows}
+    write_results(args.out, result)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
