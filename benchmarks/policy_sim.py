@@ -12,8 +12,11 @@ a speculative round after plain ones (fixed + per pair, outside the policy's clo
 session), and log-normal round-time noise. Requests draw an ease factor (p x U(0.85, 1.1)) so
 texts differ. The session's plain holds are modelled (plain_hold / held). Per profile it prints
 the adaptive arm's time against the best fixed arm's (vs_best: mean and 10th percentile over
-seeds), against plain decoding's, and its share of speculative rounds. The figures are only as
-good as the model: joins, captures, batch > 1 and draining are not in it.
+seeds), against plain decoding's, and its share of speculative rounds. --drift moves the
+machine's speed under every arm alike (a fixed arm's total moves with it too, so ratios show
+what drift costs the policy's choices), --switch-bias slows the first round after a change of
+arm. The figures are only as good as the model: joins, captures, batch > 1 and draining are not
+in it.
 """
 
 from __future__ import annotations
@@ -58,11 +61,31 @@ def draw_accepted(p: float, steps: int, rng: random.Random) -> int:
     return k
 
 
+def machine_speed(seed: int, drift: float, period: int):
+    """speed(t) -> the factor a round's time takes at t, in plain rounds' worth of time elapsed:
+    1.0 without drift, else a level drawn log-uniformly within ±drift (0.2: 0.83-1.2x) every
+    `period` of them, the same for every arm simulated with this seed (a machine's speed moving
+    under all of them alike, at the same moments)."""
+    rng, levels = random.Random(seed * 7919 + 1), []
+
+    def speed(t: float) -> float:
+        if drift == 0:
+            return 1.0
+        while len(levels) <= t // period:
+            levels.append(math.exp(rng.uniform(-math.log1p(drift), math.log1p(drift))))
+        return levels[int(t // period)]
+    return speed
+
+
 def simulate(profile: dict, arm: SpecConfig | str | None, seed: int, policy_kw: dict,
              requests: int = 16, warmup: int = 4, tokens: int = 64) -> tuple[float, int, int]:
     """(Seconds of the timed requests, their speculative rounds, their plain rounds) of one arm,
-    or of the adaptive policy (arm "adaptive"), over the same seeded draws."""
+    or of the adaptive policy (arm "adaptive"), over the same seeded draws. The profile's
+    "drift" (± fraction, every "drift_period" plain rounds' time: machine_speed) scales every round's time;
+    "switch_bias" is how much slower a round runs when its arm differs from the round before's."""
     rng = random.Random(seed)
+    speed = machine_speed(seed, profile.get("drift", 0.0), int(profile.get("drift_period", 256)))
+    bias, last, elapsed = profile.get("switch_bias", 0.0), None, 0.0
     policy = AdaptivePolicy([TREE, SMALL, CHAIN], **policy_kw) if arm == "adaptive" else None
     total, spec_rounds, plain_rounds = 0.0, 0, 0
     for i in range(warmup + requests):
@@ -79,7 +102,9 @@ def simulate(profile: dict, arm: SpecConfig | str | None, seed: int, policy_kw: 
             else:
                 choice, held = policy.choose(1), False
                 hold = policy.plain_hold(1) if choice is PLAIN else 0
-            jitter = math.exp(rng.gauss(0.0, profile["noise"]))
+            jitter = (math.exp(rng.gauss(0.0, profile["noise"])) * speed((elapsed + seconds) / profile["plain"])
+                      * (1.0 + bias * (choice != last)))
+            last = choice
             if choice is PLAIN:
                 sec, accepted = profile["plain"] * jitter, []
                 since_spec += 1
@@ -99,6 +124,7 @@ def simulate(profile: dict, arm: SpecConfig | str | None, seed: int, policy_kw: 
                     policy.held(1, sec)
                 else:
                     policy.observe(choice, 1, sec, accepted)
+        elapsed += seconds
         if timed:
             total += seconds
     return total, spec_rounds, plain_rounds
@@ -123,6 +149,14 @@ def main() -> None:
     ap.add_argument("--profiles", default=",".join(PROFILES), help="comma-separated, of: " + ", ".join(PROFILES))
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="an AdaptivePolicy field for the adaptive arm (repeatable), e.g. confidence_z=0")
+    ap.add_argument("--drift", type=float, default=0.0,
+                    help="the machine's speed moves within ±this fraction (0.2: 0.83-1.2x), a new level every "
+                         "--drift-period plain rounds' worth of time, under every arm alike (CPU hosts moved "
+                         "~±20%% in session 28)")
+    ap.add_argument("--drift-period", type=int, default=256)
+    ap.add_argument("--switch-bias", type=float, default=0.0,
+                    help="a round whose arm differs from the round before's runs this much slower (0.09 on the "
+                         "H100: the held-round comment in SpecSession._round)")
     ap.add_argument("--out")
     args = ap.parse_args()
     policy_kw = {}
@@ -135,8 +169,9 @@ def main() -> None:
     unknown = [n for n in names if n not in PROFILES]
     if unknown:
         ap.error(f"--profiles: unknown {', '.join(unknown)} (known: {', '.join(PROFILES)})")
-    result = {"simulation": True, "seeds": args.seeds, "policy": policy_kw,
-              "profiles": {n: evaluate(PROFILES[n], range(args.seeds), policy_kw) for n in names}}
+    machine = {"drift": args.drift, "drift_period": args.drift_period, "switch_bias": args.switch_bias}
+    result = {"simulation": True, "seeds": args.seeds, "policy": policy_kw, "machine": machine,
+              "profiles": {n: evaluate(PROFILES[n] | machine, range(args.seeds), policy_kw) for n in names}}
     write_results(args.out, result)
     print(json.dumps(result))
 
