@@ -50,25 +50,27 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def host_only(session):
+def host_only(session) -> tuple:
     """The session with static shapes and padding on, its model steps memoized per (kind,
-    input shapes): the first call of each runs, later ones return its outputs."""
+    input shapes): the first call of each runs, later ones return its outputs. Returns the
+    session and a Counter whose "model_steps" counts run_step calls."""
     session.static = session.pad = session.graph_prefill = True
     memo: dict = {}
+    calls: Counter = Counter()
     run_step = session.run_step
 
     def memoized(module, kind, fn, caches, **inputs):
-        key = (repr(kind), tuple((k, tuple(v.shape)) for k, v in inputs.items()))
+        key = (kind, tuple((k, tuple(v.shape)) for k, v in inputs.items()))  # (kinds are graph keys: hashable)
         if key not in memo:
             memo[key] = run_step(module, kind, fn, caches, **inputs)
-        memo["calls"] = memo.get("calls", 0) + 1
+        calls["model_steps"] += 1
         return memo[key]
 
     session.run_step = memoized
-    return session, memo
+    return session, calls
 
 
-def count(session, memo: dict, requests, batch: int) -> dict:
+def count(session, model_steps: Counter, requests, batch: int) -> dict:
     """Ops per round (`step`) and per join (`add`) over one drive_session run."""
     totals = {"join": Counter(), "step": Counter()}
     calls, steps = Counter(), Counter()
@@ -76,12 +78,12 @@ def count(session, memo: dict, requests, batch: int) -> dict:
 
     def counted(kind: str):
         def call(*args, **kwargs):
-            before = memo.get("calls", 0)
+            before = model_steps["model_steps"]
             with OpCounter() as c:
                 out = methods[kind](*args, **kwargs)
             totals[kind].update(c.ops)
             calls[kind] += 1
-            steps[kind] += memo.get("calls", 0) - before
+            steps[kind] += model_steps["model_steps"] - before
             return out
         return call
 
@@ -122,10 +124,10 @@ def main() -> None:
                                             policy=PlainHeld(DEFAULT_CANDIDATES))}
             row = {"temperature": temperature, "batch_size": bs}
             for name, session in arms.items():
-                session, memo = host_only(session)
+                session, model_steps = host_only(session)
                 for i in range(2):  # the memo fills; the policy settles
                     drive_session(session, _requests(prompts, w, f"warmup{i}-"), bs)
-                row[name] = count(session, memo, _requests(prompts, w), bs)
+                row[name] = count(session, model_steps, _requests(prompts, w), bs)
             for kind in ("step", "join"):
                 row[f"{kind}_non_view_ops_adaptive_over_plain"] = (row["adaptive"][kind]["non_view_ops"]
                                                                    / row["plain"][kind]["non_view_ops"])

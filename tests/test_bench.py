@@ -131,20 +131,26 @@ def test_in_process_lossless_and_consistent(inproc):
     assert result["speedup"] == pytest.approx(result["spec_tokens_per_s"] / result["plain_tokens_per_s"])
 
 
-def test_adaptive_arm_is_lossless_and_reports_its_choices(pair, monkeypatch):
-    """... and is timed right after plain decoding, its reference (results keep their order)."""
-    target_dir, drafter_dir, dataset = pair
-    timed, drive = [], bench.drive_session
+def log_drives(monkeypatch) -> list[tuple]:
+    """bench's drive_session runs, in order, as (session, timed: not a warm-up run)."""
+    runs, drive = [], bench.drive_session
 
     def logged(session, requests, max_running, *a, **k):
-        if not str(requests[0].request_id).startswith("warmup"):
-            timed.append("adaptive" if getattr(session, "policy", None) else getattr(session, "spec", None))
+        runs.append((session, not str(requests[0].request_id).startswith("warmup")))
         return drive(session, requests, max_running, *a, **k)
 
     monkeypatch.setattr(bench, "drive_session", logged)
+    return runs
+
+
+def test_adaptive_arm_is_lossless_and_reports_its_choices(pair, monkeypatch):
+    """... and is timed right after plain decoding, its reference (results keep their order)."""
+    target_dir, drafter_dir, dataset = pair
+    runs = log_drives(monkeypatch)
     _, result = run_main("bench", "--target", str(target_dir), "--drafter", str(drafter_dir), "--dataset", dataset,
                          "--num-prompts", "4", "--max-new-tokens", "12", "--spec-steps", "2", "--spec-topk", "1,2",
                          "--spec-adaptive", "--json")
+    timed = ["adaptive" if getattr(x, "policy", None) else getattr(x, "spec", None) for x, t in runs if t]
     assert timed[:2] == [None, "adaptive"] and len(timed) == 4
     arms = {a["arm"]: a for a in result["arms"]}
     assert list(arms) == ["plain", "spec-s2-k1-n3", "spec-s2-k2-n7", "spec-adaptive"]
@@ -192,20 +198,13 @@ def test_repeats_go_round_the_arms_and_report_the_median_run(pair, monkeypatch):
     (each in its arm's own session; each round of runs starting one arm further on), and each
     arm reports its run of median duration."""
     target_dir, drafter_dir, dataset = pair
-    order, drive = [], bench.drive_session
-
-    def logged(session, requests, max_running, *a, **k):
-        timed = not str(requests[0].request_id).startswith("warmup")
-        order.append((type(session).__name__, getattr(session, "spec", None), timed, id(session)))
-        return drive(session, requests, max_running, *a, **k)
-
-    monkeypatch.setattr(bench, "drive_session", logged)
+    runs = log_drives(monkeypatch)
     _, result = run_main("bench", "--target", str(target_dir), "--drafter", str(drafter_dir), "--dataset", dataset,
                          "--num-prompts", "3", "--max-new-tokens", "6", "--spec-steps", "2", "--spec-topk", "1",
                          "--repeats", "3", "--json")
     assert result["repeats"] == 3
-    timed = [(kind, id_) for kind, _, t, id_ in order if t]
-    assert len(timed) == 6 and order.index(next(o for o in order if o[2])) == 2  # both warm-ups first
+    timed = [(type(x).__name__, id(x)) for x, t in runs if t]
+    assert len(timed) == 6 and [t for _, t in runs].index(True) == 2  # both warm-ups first
     assert [k for k, _ in timed] == ["PlainSession", "SpecSession", "SpecSession", "PlainSession",
                                      "PlainSession", "SpecSession"]  # interleaved, each round one arm on
     assert len({i for k, i in timed if k == "PlainSession"}) == 1  # one session per arm throughout

@@ -557,7 +557,7 @@ def bench_in_process(target, drafter, specs: Sequence[SpecConfig], workload: Wor
         # or more after it, behind every fixed arm's warm-up and run, and on the H100 the host's
         # speed has moved between arms run in turn (run_step's host time 219 against 92 us a
         # step, results/h100_adaptive_overhead_b1_f0702a7.json).
-        runs_in = [0, *([len(order) - 1] if adaptive else []), *range(1, len(order) - adaptive)]
+        runs_in = [0, *([len(order) - 1] if adaptive else []), *range(1, 1 + len(specs))]
         # Warm-up and timed runs share one session per arm, as a server keeps one for its
         # lifetime: its cache allocations, so the CUDA graphs captured over them in the warm-up
         # replay in the timed run (a new session's caches would need new captures, each costing
