@@ -10,7 +10,13 @@ forced on, as on CUDA, so the counted path is the GPU's (its graphs replaced by 
     python benchmarks/host_ops.py --out benchmarks/results/host_ops_cpu.json
 
 Prints one JSON line: per (temperature, batch size, arm) ops, non-view ops and model steps per
-round and per join, and the adaptive arm's non-view ops over the plain arm's.
+round and per join, and the adaptive arm's non-view ops over the plain arm's; then, untraced,
+the host microseconds per join and per round (held plain rounds and rounds that asked the
+policy apart) and per request, and the adaptive arm's per-request host time over plain's. This
+machine's ops are not a GPU's launches, but the host's share of a launch-bound step is the
+same work: on the H100 at batch 1, T=1 the adaptive arm's rounds and joins took 1.0-2.2 ms a
+request longer than plain decoding's where speculation ran 2 rounds in ~1,980
+(results/never_slower_h100_reference_t1_r3_1a7b669.json).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import draftsman
 from draftsman.bench import Workload, _requests, drive_session, load_prompt_set, make_session
 from draftsman.generate import StopRules
+from draftsman.graphs import pow2_ceil
 from draftsman.sampling import SamplingParams
 from draftsman.spec.adaptive import DEFAULT_CANDIDATES
 from draftsman.spec.engine import SpecSession
@@ -100,6 +107,45 @@ def count(session, model_steps: Counter, requests, batch: int) -> dict:
     return out
 
 
+def host_time(session, requests_of, batch: int, passes: int) -> dict:
+    """Host microseconds per request over `passes` drive_session runs (requests_of(i): pass i's
+    requests): joins (`add`), and rounds (`step`), split for an adaptive session into rounds
+    run on a held plain choice and rounds that asked the policy; with rounds per request."""
+    spent, calls = Counter(), Counter()
+    step, add = session.step, session.add
+    policy = getattr(session, "policy", None)
+
+    def kind() -> str:
+        if policy is None:
+            return "round"
+        key, bucket_, until, arm = session._hold
+        held = arm is None and bucket_ == pow2_ceil(len(session.rows)) and policy.round < until
+        # (a plain hold's rows key: their sampling classes; before 2026-12-08, the roster)
+        rows_key = session._row_classes() if hasattr(session, "_row_classes") else session.roster
+        return "held_round" if held and key == rows_key else "asked_round"
+
+    def timed(fn, name):
+        def call(*args, **kwargs):
+            k = name or kind()
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            spent[k] += time.perf_counter() - t
+            calls[k] += 1
+            return out
+        return call
+
+    session.step, session.add = timed(step, None), timed(add, "join")
+    n = 0
+    for i in range(passes):
+        reqs = requests_of(i)
+        n += len(reqs)
+        drive_session(session, reqs, batch)
+    del session.step, session.add
+    out = {f"{k}_us": spent[k] / calls[k] * 1e6 for k in sorted(calls)}
+    out |= {f"{k}s_per_request": calls[k] / n for k in sorted(calls) if k != "join"}
+    return out | {"per_request_us": sum(spent.values()) / n * 1e6}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", default="mt-bench")
@@ -107,6 +153,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--batch-sizes", default="1,4")
     ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--timed-passes", type=int, default=5, help="untraced passes over the prompts per arm, timed")
     ap.add_argument("--out")
     args = ap.parse_args()
     target_dir, drafter_dir = draftsman.reference_pair()
@@ -128,6 +175,10 @@ def main() -> None:
                 for i in range(2):  # the memo fills; the policy settles
                     drive_session(session, _requests(prompts, w, f"warmup{i}-"), bs)
                 row[name] = count(session, model_steps, _requests(prompts, w), bs)
+                row[name]["host"] = host_time(session, lambda i, w=w: _requests(prompts, w, f"timed{i}-"), bs,
+                                              args.timed_passes)
+            row["host_us_per_request_adaptive_over_plain"] = (row["adaptive"]["host"]["per_request_us"]
+                                                              / row["plain"]["host"]["per_request_us"])
             for kind in ("step", "join"):
                 row[f"{kind}_non_view_ops_adaptive_over_plain"] = (row["adaptive"][kind]["non_view_ops"]
                                                                    / row["plain"][kind]["non_view_ops"])

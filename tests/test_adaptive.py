@@ -1134,6 +1134,42 @@ def test_plain_decoding_chosen_holds_for_hold_rounds_without_asking(pair):
     assert max(gaps) <= 9
 
 
+def test_a_plain_hold_outlives_joins_of_the_same_sampling_classes(pair):
+    """At batch 1 every request joins an empty batch: the plain hold stands across requests of
+    the rows' sampling classes (nothing speculative ran, only plain decoding's round time
+    changed), so the policy is asked about once per hold_rounds rounds, not once per request;
+    a request at another temperature asks at once. Outputs stay plain decoding's."""
+    from draftsman.bench import drive_session
+
+    target, drafter = pair
+    calls = []
+
+    class Counting(AdaptivePolicy):
+        def choose(self, batch, ready=None, drain=None):
+            arm = super().choose(batch, ready, drain)
+            calls.append((self.round, arm, tuple(self.mix)))
+            return arm
+
+        def observe(self, arm, batch, seconds, accepted, classes=None):  # speculation made to lose clearly
+            super().observe(arm, batch, None if seconds is None else seconds * (1 if arm is None else 10), accepted,
+                            classes)
+
+    rules, greedy = StopRules(max_new_tokens=8), SamplingParams(temperature=0.0)
+    texts = prompts() * 6
+    plain = [r.state.tokens for r in run_to_completion(PlainSession(target, 100), texts, rules, greedy)]
+    policy = Counting([CHAIN], explore_every=1000, max_explore_every=1000, hold_rounds=64)
+    session = SpecSession(target, drafter, None, 100, policy=policy)
+    requests = [Request(i, p, rules, greedy) for i, p in enumerate(texts)]
+    drive_session(session, requests, 1)
+    assert [r.state.tokens for r in requests] == plain
+    assert policy.current[1] is PLAIN and sum(r.plain_rounds for r in requests) >= 70  # of 84
+    asked = len(calls)
+    assert asked <= 6  # timing the arms, the first plain choice: then held across 11 joins
+    sampled = Request(99, texts[0], rules, SamplingParams(temperature=1.0, seed=0))
+    drive_session(session, [sampled], 1)
+    assert len(calls) > asked and calls[asked][2] == (1.0,)  # a new class: asked at its first round
+
+
 def test_confidence_probes_only_at_batch_1():
     """Past batch 1 a round brings as many draws as rows, and a probe round sets rows of one
     budget apart (staggered joins): an arm's few rounds there are not re-run on their bounds."""

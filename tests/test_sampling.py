@@ -150,12 +150,12 @@ def test_session_skips_filters_only_when_no_row_uses_them() -> None:
     rows = [SamplingParams(1.0), SamplingParams(0.7), SamplingParams(0.0)]
     t, k, p = batch_params(rows)
     sampling = {"temperature": t, "top_k": k, "top_p": p}
-    assert DecodeSession.prefill_filters(sampling) == (False, False)
+    assert DecodeSession.filters_of(rows) == (False, False)
     # the skipped sort is exact: the same probabilities as warp_probs over the per-row tensors
     assert torch.equal(DecodeSession._warp(logits, sampling, (False, False)), warp_probs(logits, t, k, p))
     rows[1] = SamplingParams(0.7, top_k=5, top_p=0.9)
     t, k, p = batch_params(rows)
     sampling = {"temperature": t, "top_k": k, "top_p": p}
-    assert DecodeSession.prefill_filters(sampling) == (True, True)
+    assert DecodeSession.filters_of(rows) == (True, True)
     warped = DecodeSession._warp(logits, sampling, (True, True))
     assert torch.equal(warped, warp_probs(logits, t, k, p)) and int((warped[1] > 0).sum()) <= 5

@@ -466,10 +466,10 @@ def test_internal_error_fails_only_that_request(plain, monkeypatch):
     """A prompt containing token 250 makes prefill raise; a request admitted with it is unaffected."""
     original = PlainSession._prefill
 
-    def faulty(self, ids, lengths, sampling):
+    def faulty(self, ids, lengths, sampling, rows):
         if bool((ids == 250).any()):
             raise RuntimeError("injected prefill fault")
-        return original(self, ids, lengths, sampling)
+        return original(self, ids, lengths, sampling, rows)
 
     monkeypatch.setattr(PlainSession, "_prefill", faulty)
     good = {"prompt": [5, 6, 7], "max_tokens": 20, "temperature": 0}

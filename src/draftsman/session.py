@@ -129,7 +129,7 @@ class DecodeSession(abc.ABC):
         # adaptive policy weighs): computed once per change of the rows or their tokens.
         self._changes = 0
         self._longest: tuple[int, int] = (-1, 0)  # (_changes when computed, length)
-        # (_changes when computed, (all_greedy, *filters)): the running rows' sampling, from their params
+        # (roster when computed, (all_greedy, *filters)): the running rows' sampling, from their params
         self._sampling_flags: tuple[int, tuple[bool, bool, bool]] = (-1, (True, False, False))
         # Requests the driver holds until a row frees, set before each round by drivers that know
         # every request up front (drive_session, run_to_completion). 0: the running rows are the
@@ -175,7 +175,8 @@ class DecodeSession(abc.ABC):
             ids, lengths = pad_prompts([r.prompt for r in batch], self.device)
             if self._staged_prefill(ids):  # columns to a power of two: few prefill graphs
                 ids = F.pad(ids, (0, prefill_columns(ids.shape[1]) - ids.shape[1]))
-            caches, tensors, tokens = self._prefill(ids, lengths, self._sampling_tensors([r.params for r in batch]))
+            caches, tensors, tokens = self._prefill(ids, lengths, self._sampling_tensors([r.params for r in batch]),
+                                                    batch)
             self._join(batch, caches, tensors)
             first += tokens.tolist()  # (a host sync: the join's time is its own)
             tokens_in += ids.numel()
@@ -212,9 +213,10 @@ class DecodeSession(abc.ABC):
 
     # ---- for subclasses ----------------------------------------------------------------
     @abc.abstractmethod
-    def _prefill(self, ids: Tensor, lengths: Tensor, sampling: dict[str, Tensor]
+    def _prefill(self, ids: Tensor, lengths: Tensor, sampling: dict[str, Tensor], rows: Sequence[Request]
                  ) -> tuple[list[StaticCache], dict[str, Tensor], Tensor]:
-        """Prefill a batch of newcomers: (their caches, their per-row tensors, first tokens [B]). A
+        """Prefill a batch of newcomers (`rows`, whose prompts and sampling the host knows: no
+        device reads for them): (their caches, their per-row tensors, first tokens [B]). A
         cache may be None: its rows are written by the session before any is read (_join)."""
 
     @abc.abstractmethod
@@ -281,11 +283,11 @@ class DecodeSession(abc.ABC):
         }
 
     def _row_flags(self) -> tuple[bool, bool, bool]:
-        """(all_greedy, *filters), made when the rows change (asked several times a round)."""
-        if self._sampling_flags[0] != self._changes:
+        """(all_greedy, *filters), made when the running rows' membership changes (asked several
+        times a round; rows' sampling parameters are fixed at their join)."""
+        if self._sampling_flags[0] != self.roster:
             p = [r.params for r in self.rows]
-            flags = (all(x.temperature == 0 for x in p), any(x.top_k > 0 for x in p), any(x.top_p < 1 for x in p))
-            self._sampling_flags = (self._changes, flags)
+            self._sampling_flags = (self.roster, (all(x.temperature == 0 for x in p), *self.filters_of(p)))
         return self._sampling_flags[1]
 
     @property
@@ -317,17 +319,19 @@ class DecodeSession(abc.ABC):
         return warp_probs(logits, sampling["temperature"], sampling["top_k"] if top_k else 0,
                           sampling["top_p"] if top_p else 1.0)
 
-    def sample_first(self, logits: Tensor, sampling: dict[str, Tensor]) -> Tensor:
-        """sample_next for a prefill's newcomers, whose greedy check and filters come from their
-        sampling tensors (host syncs, once per join)."""
-        if bool((sampling["temperature"] == 0).all()):
+    def sample_first(self, logits: Tensor, sampling: dict[str, Tensor], rows: Sequence[Request]) -> Tensor:
+        """sample_next for a prefill's newcomers `rows`, whose greedy check and filters come from
+        their parameters on the host (read from the sampling tensors, two host syncs a join
+        waited for the prefill before any later launch)."""
+        params = [r.params for r in rows]
+        if all(p.temperature == 0 for p in params):
             return greedy_argmax(logits)
-        return self.sample_next(logits, sampling, False, self.prefill_filters(sampling))
+        return self.sample_next(logits, sampling, False, self.filters_of(params))
 
     @staticmethod
-    def prefill_filters(sampling: dict[str, Tensor]) -> tuple[bool, bool]:
-        """`filters` of a prefill's newcomers, from their sampling tensors."""
-        return bool((sampling["top_k"] > 0).any()), bool((sampling["top_p"] < 1).any())
+    def filters_of(params: Sequence[SamplingParams]) -> tuple[bool, bool]:
+        """`filters` of rows with these parameters: whether any uses (top-k, top-p)."""
+        return any(p.top_k > 0 for p in params), any(p.top_p < 1 for p in params)
 
     def _emit(self, row_ids: Sequence[int], tokens: Sequence[Sequence[int]]) -> list[Event]:
         """Apply stop rules to each row's new tokens, report them, drop finished rows."""
@@ -429,7 +433,7 @@ class DecodeSession(abc.ABC):
 class PlainSession(DecodeSession):
     """Plain autoregressive decoding: one token per row per target forward."""
 
-    def _prefill(self, ids, lengths, sampling):
+    def _prefill(self, ids, lengths, sampling, rows):
         last = (lengths - 1)[:, None]
         if self._staged_prefill(ids):
             cache = self.staging("target", lambda b: self.target.new_cache(b, self.max_len), ids.shape[0])
@@ -438,7 +442,7 @@ class PlainSession(DecodeSession):
         else:
             cache = self.target.new_cache(ids.shape[0], self.prefill_slots(self.max_len, ids.shape[1]))
             logits = self.target(ids, cache=cache, logits_index=last)[:, 0]
-        first = self.sample_first(logits, sampling)
+        first = self.sample_first(logits, sampling, rows)
         return [cache], {"cur": lengths.clone(), "last": first, **sampling}, first
 
     def _round(self) -> list[Event]:

@@ -190,7 +190,7 @@ class AdaptivePolicy:
     # rates of every arm, graph-readiness questions: ~90 us at batch 64 on the H200 host), which a
     # launch-bound plain step pays in full; while plain rounds run, only plain's own round time
     # changes what choose would answer, and the round that asks again times it.
-    hold_rounds: int = 16
+    hold_rounds: int = 64
     # ... and a speculative arm chosen as the bucket's arm (not a probe), while requests wait or
     # may come (a draining batch decides every round): up to this many rounds unasked
     # (spec_hold), each still observed. Asked every round, the policy cost a tree round 61-110 us
@@ -521,9 +521,10 @@ class AdaptivePolicy:
         self._bucket_rounds += 1
         self.settled = self.probing = False
 
-    def held(self, batch: int, seconds: float) -> None:
+    def held(self, batch: int, seconds: float | None) -> None:
         """A plain round the session ran on a held choice (plain_hold) instead of asking, in
-        `seconds`: skip, then observed as any plain round."""
+        `seconds` (None: not representative, it captured a graph): skip, then observed as any
+        plain round."""
         self.skip(batch)
         self.observe(PLAIN, batch, seconds, ())
 

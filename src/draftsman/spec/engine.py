@@ -113,14 +113,15 @@ class SpecSession(DecodeSession):
         self._ready: dict[tuple, bool] = {}
         self._ready_captures: tuple[int, int] = (-1, -1)
         self._ready_round: tuple[int, tuple] = (-1, ())  # (policy round, _ready_context) when made
-        self._span_memo: tuple[int, dict] = (-1, {})  # (_changes, _spans per (spec, plain)) when made
+        self._span_memo: tuple[int, dict] = (-1, {})  # (roster, (_spans, longest row they hold to) per (spec, plain))
         self._in_step_flags: dict[tuple[int, bool], Tensor] = {}  # _round_inputs' flags per (rows, value)
         self._front: tuple[int, int, list] = (-1, -1, [])  # (roster, policy round, drain_front) when made
         self.catch_ups, self.catch_up_seconds = 0, 0.0  # the drafter's catch-ups (reports)
         self._plain_drain: tuple[int, int] | None = None  # (roster, batch bucket) draining plainly
-        # (roster, batch bucket, policy round, arm): the arm chosen holds until that round,
-        # unasked (plain decoding: plain_hold; a speculative arm: spec_hold)
-        self._hold: tuple[int, int, int, SpecConfig | None] = (-1, -1, -1, None)
+        # (rows' key, batch bucket, policy round, arm): the arm chosen holds until that round,
+        # unasked (plain decoding: plain_hold, for rows of the same sampling classes; a
+        # speculative arm: spec_hold, for the same rows)
+        self._hold: tuple[Hashable, int, int, SpecConfig | None] = (-1, -1, -1, None)
         # Deferred drafter work (adaptive sessions decoding plainly): per request, the
         # (token, feature) pairs not yet in the drafter's cache, as chunks (tokens [L], features
         # [L, F], position of the first), run through the drafter only when speculation is next
@@ -128,6 +129,7 @@ class SpecSession(DecodeSession):
         self._pending: dict[Hashable, list[tuple[Tensor, Tensor, int]]] = {}
         self._joining: list[tuple[Tensor, Tensor, int]] | None = None
         self._d_like: tuple[Tensor, Tensor] | None = None  # the drafter state's row shapes (after one prefill)
+        self._d_zero: tuple[Tensor, Tensor] | None = None  # ... and one zero row of each
         self.deferred_prefills = self.spills = 0  # (reports)
         self._mix: tuple[int, list] = (-1, [])  # (roster, the rows' sampling classes) when made
 
@@ -135,7 +137,7 @@ class SpecSession(DecodeSession):
         return (self.target, self.drafter)
 
     # ---- prefill ------------------------------------------------------------------------
-    def _prefill(self, ids, lengths, sampling):
+    def _prefill(self, ids, lengths, sampling, rows):
         b, t = ids.shape
         t_extra = max(c.draft_tokens for c in self.shapes) + 1
         d_extra = max((c.steps - 1) * c.topk + c.steps for c in self.shapes) + 2
@@ -165,15 +167,16 @@ class SpecSession(DecodeSession):
                 d_cache = self.drafter.new_cache(b, self.prefill_slots(self.max_len + d_extra, t))
             out = self.target.run(ids, cache=t_cache, aux_layer_ids=self.aux_ids, logits_index=last)
             logits, feats = out.logits[:, 0], torch.cat(out.aux_hidden, -1)
-        first = self.sample_first(logits, sampling)
+        first = self.sample_first(logits, sampling, rows)
         # Drafter pairs (x_{i+1}, f_i): the prompt shifted by one, the new token at len-1.
         shifted = torch.cat([ids[:, 1:], ids[:, :1]], 1).scatter(1, last, first[:, None])
         if lazy:
             # (one copy of a staged prefill's features, a graph output; rows' chunks are views)
             kept = feats.clone() if staged else feats
-            self._joining = [(shifted[i, :k], kept[i, :k], 0) for i, k in enumerate(lengths.tolist())]
+            self._joining = [(shifted[i, :len(r.prompt)], kept[i, :len(r.prompt)], 0) for i, r in enumerate(rows)]
             self.deferred_prefills += b
-            d_logits, d_hidden = (x.new_zeros(b, *x.shape[1:]) for x in self._d_like)
+            # (zero rows as views of one zero row: never written in place, joined by a copy)
+            d_logits, d_hidden = (x.expand(b, *x.shape[1:]) for x in self._d_zero)
         elif staged:
             # (the uncompiled drafter, as the target's staged prefill: a compiled forward would
             # recompile for every prefill shape)
@@ -184,6 +187,7 @@ class SpecSession(DecodeSession):
             d_logits, d_hidden = self._extend(d_cache, shifted, feats, positions, lengths - 1, prefill=True)
         if self._d_like is None:  # (shapes, dtypes and device stay: made once)
             self._d_like = tuple(x.new_empty(0, *x.shape[1:]) for x in (d_logits, d_hidden))
+            self._d_zero = tuple(x.new_zeros(1, *x.shape[1:]) for x in (d_logits, d_hidden))
         state = {"n": lengths.clone(), "root": first, "d_logits": d_logits, "d_hidden": d_hidden, **sampling}
         if self.policy is not None:  # (token, feature) pairs of plain rounds, for the drafter
             # (columns: plain rounds since the last catch-up; newcomers' pairs start at this one)
@@ -237,8 +241,9 @@ class SpecSession(DecodeSession):
             self._joining = None
 
     def _keep(self, keep: list[int]) -> None:
+        roster = self.roster
         super()._keep(keep)
-        if self._pending:
+        if self._pending and self.roster != roster:  # (every round asks: most keep every row)
             live = {r.request_id for r in self.rows}
             self._pending = {k: v for k, v in self._pending.items() if k in live}
 
@@ -318,11 +323,11 @@ class SpecSession(DecodeSession):
             return self._spec_round()[0]
         batch, rows = len(self.rows), self.rows
         draining = self.waiting == 0 and self._plain_drain == (self.roster, pow2_ceil(batch))
-        roster, bucket_, until, held = self._hold
-        holding = roster == self.roster and bucket_ == pow2_ceil(batch) and self.policy.round < until
+        rows_key, bucket_, until, held = self._hold
+        holding = (bucket_ == pow2_ceil(batch) and self.policy.round < until
+                   and rows_key == (self._row_classes() if held is None else self.roster))
         if draining or (holding and held is None):
-            # Plain decoding chosen for these rows, unchanged since (so their mix, spans' shapes
-            # and graphs too): the policy is not asked (its choice and readiness questions took
+            # Plain decoding chosen for rows of this mix, unchanged since: the policy is not asked (its choice and readiness questions took
             # ~90 us a round at batch 64 on the H200 host, results/h200_adaptive_overhead_session13.json;
             # on the H100 the adaptive arm's plain rounds took 35-56 us longer than plain
             # decoding's steps, 4-6% of a 0.9 ms step). Draining, the rows' tokens left fall
@@ -332,10 +337,11 @@ class SpecSession(DecodeSession):
             # 1.065 ms over all of them), so plain decoding timed on those alone looked slower.
             self._set_spans(plain=True)
             self._drafter_before(None)
-            start = time.perf_counter()
+            before, start = captures(self.target) if self.graphed else 0, time.perf_counter()
             events = self._plain_round()[0]
-            if not draining:
-                self.policy.held(batch, time.perf_counter() - start)
+            if not draining:  # (a new span's capture is no plain round's cost)
+                seconds = time.perf_counter() - start
+                self.policy.held(batch, None if self.graphed and captures(self.target) != before else seconds)
             self._observe_finished(rows)
             return events
         classes = self._classes()
@@ -349,7 +355,11 @@ class SpecSession(DecodeSession):
                 hold = self.policy.plain_hold(batch)
             else:  # (not while the batch drains: which arm finishes first is decided every round)
                 hold = self.policy.spec_hold(batch, arm) if self.waiting != 0 else 0
-            self._hold = (self.roster, pow2_ceil(batch), self.policy.round + hold, arm)
+            # A plain hold outlives joins and leaves that keep the rows' sampling classes: with
+            # no speculative round since, only plain decoding's own round time has changed, as
+            # within a hold (at batch 1 every request's join asked again, a round that cost
+            # 2.5x a held one on CPU, host work only)
+            self._hold = (classes if arm is None else self.roster, pow2_ceil(batch), self.policy.round + hold, arm)
         shape = (arm, pow2_ceil(batch))  # compiled forwards specialize on the padded batch
         compiling = self.compile and shape not in self._compiled_shapes
         self._compiled_shapes.add(shape)
@@ -385,13 +395,18 @@ class SpecSession(DecodeSession):
         """The running rows' sampling classes (spec/adaptive.sampling_class), made when the rows
         change, and handed to the policy as its mix every round (a server's sessions share one
         policy)."""
+        classes = self._row_classes()
+        self.policy.set_mix(classes)
+        return classes
+
+    def _row_classes(self) -> tuple:
+        """The running rows' sampling classes, made when the rows change."""
         made, classes = self._mix
         if made != self.roster:
             from draftsman.spec.adaptive import sampling_class
 
             classes = tuple(sampling_class(r.params.temperature) for r in self.rows)  # (set_mix: unchanged)
             self._mix = (self.roster, classes)
-        self.policy.set_mix(classes)
         return classes
 
     def _observe_finished(self, rows: list[Request]) -> None:
@@ -504,14 +519,22 @@ class SpecSession(DecodeSession):
         if not self.static:
             return None, None
         made, memo = self._span_memo  # (a choice asks for every arm, then the round for its own)
-        if made != self._changes:
+        if made != self.roster:
             memo = {}
-            self._span_memo = (self._changes, memo)
-        if (spec, plain) not in memo:
-            scratch = (spec.steps - 1) * spec.topk + spec.steps + 1
-            memo[spec, plain] = (self.span(self.caches[0], 1 if plain else spec.draft_tokens),
-                                 self.span(self.caches[1], max(scratch, BACKLOG if self.policy is not None else 0)))
-        return memo[spec, plain]
+            self._span_memo = (self.roster, memo)
+        longest = self.longest_row()
+        if (spec, plain) in memo and longest <= memo[spec, plain][1]:
+            return memo[spec, plain][0]
+        scratch = (spec.steps - 1) * spec.topk + spec.steps + 1
+        needs = ((self.caches[0], 1 if plain else spec.draft_tokens),
+                 (self.caches[1], max(scratch, BACKLOG if self.policy is not None else 0)))
+        spans = tuple(self.span(cache, extra) for cache, extra in needs)
+        # Rows only grow while the roster stands: the spans hold until the longest row outgrows
+        # one of them (a span of the whole cache, never)
+        limit = min((s - extra for s, (cache, extra) in zip(spans, needs, strict=True) if s < cache.max_len),
+                    default=float("inf"))
+        memo[spec, plain] = (spans, limit)
+        return spans
 
     def _set_spans(self, plain: bool = False) -> None:
         """This round's spans (_spans of its spec)."""
