@@ -14,9 +14,9 @@ round and per join, and the adaptive arm's non-view ops over the plain arm's; th
 the host microseconds per join and per round (held plain rounds and rounds that asked the
 policy apart) and per request, and the adaptive arm's per-request host time over plain's. This
 machine's ops are not a GPU's launches, but the host's share of a launch-bound step is the
-same work: on the H100 at batch 1, T=1 the adaptive arm's rounds and joins took 1.0-2.2 ms a
-request longer than plain decoding's where speculation ran 2 rounds in ~1,980
-(results/never_slower_h100_reference_t1_r3_1a7b669.json).
+same work: on the H100 at batch 1, T=1 the adaptive arm's rounds and joins took 2.2-2.7 ms a
+request longer than plain decoding's in HumanEval and GSM8K (MT-bench: none), where
+speculation ran 2 rounds in ~1,980 (results/never_slower_h100_reference_t1_r3_1a7b669.json).
 """
 
 from __future__ import annotations
