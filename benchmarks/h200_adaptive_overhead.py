@@ -24,6 +24,7 @@ the adaptive rounds' own cost). One JSON line; --out keeps it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -199,13 +200,14 @@ def runners(session) -> frozenset:
 
 
 def run_arm(session, prompts: list[list[int]], steps: int, warmup: int, profile_steps: int,
-            device: torch.device, kernels: bool = False, tokens_per_step: int = 1) -> dict:
+            device: torch.device, kernels: bool = False, tokens_per_step: int = 1, temperature: float = 0.0) -> dict:
     """tokens_per_step: the most tokens a step emits per row (a speculative round: steps + 1), so
     no row finishes before the last profiled step (sessions 11-12 gave the tree arm one token a
     step: its rows were done before the timed steps ended)."""
     earlier = runners(session) if device.type == "cuda" else frozenset()
     rules = StopRules(max_new_tokens=tokens_per_step * (warmup + steps + 2 * profile_steps) + 8)
-    session.add([Request(i, p, rules, SamplingParams(temperature=0.0)) for i, p in enumerate(prompts)])
+    params = SamplingParams(temperature=temperature, seed=0 if temperature > 0 else None)
+    session.add([Request(i, p, rules, params) for i, p in enumerate(prompts)])
     for _ in range(warmup):  # captures every graph the timed steps replay (spans included)
         session.step()
     times = []
@@ -234,6 +236,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0, help="every request's (sampled rounds at T > 0)")
     ap.add_argument("--steps", type=int, default=200, help="timed steps per arm")
     ap.add_argument("--warmup", type=int, default=200, help="untimed steps first: they capture the graphs of the "
                     "spans the timed steps meet (spans double with the rows' length)")
@@ -256,18 +259,19 @@ def main() -> None:
     tree = ARMS[2]
     tree_tokens = (tree.steps + 1) * (args.warmup // 4 + args.steps // 4 + 2 * args.profile_steps)
     max_len = max(map(len, prompts)) + max(args.warmup + args.steps + 2 * args.profile_steps, tree_tokens) + 16
+    arm = functools.partial(run_arm, temperature=args.temperature)
     arms = {
-        "plain": run_arm(PlainSession(target, max_len), prompts, args.steps, args.warmup, args.profile_steps, device,
+        "plain": arm(PlainSession(target, max_len), prompts, args.steps, args.warmup, args.profile_steps, device,
                          args.kernel_profile),
-        "adaptive_plain": run_arm(SpecSession(target, drafter, None, max_len, policy=PlainOnly(ARMS)), prompts,
+        "adaptive_plain": arm(SpecSession(target, drafter, None, max_len, policy=PlainOnly(ARMS)), prompts,
                                   args.steps, args.warmup, args.profile_steps, device, args.kernel_profile),
-        "adaptive_held": run_arm(SpecSession(target, drafter, None, max_len, policy=PlainHeld(ARMS)), prompts,
+        "adaptive_held": arm(SpecSession(target, drafter, None, max_len, policy=PlainHeld(ARMS)), prompts,
                                  args.steps, args.warmup, args.profile_steps, device, args.kernel_profile),
-        "adaptive_bare": run_arm(SpecSession(target, drafter, None, max_len, policy=Bare(ARMS)), prompts,
+        "adaptive_bare": arm(SpecSession(target, drafter, None, max_len, policy=Bare(ARMS)), prompts,
                                  args.steps, args.warmup, args.profile_steps, device, args.kernel_profile),
-        "tree16": run_arm(SpecSession(target, drafter, tree, max_len), prompts, args.steps // 4,
+        "tree16": arm(SpecSession(target, drafter, tree, max_len), prompts, args.steps // 4,
                           args.warmup // 4, args.profile_steps, device, args.kernel_profile, tree.steps + 1),
-        "adaptive_tree16": run_arm(SpecSession(target, drafter, None, max_len, policy=TreeAsked(ARMS)), prompts,
+        "adaptive_tree16": arm(SpecSession(target, drafter, None, max_len, policy=TreeAsked(ARMS)), prompts,
                                    args.steps // 4, args.warmup // 4, args.profile_steps, device, args.kernel_profile,
                                    tree.steps + 1),
     }
@@ -278,6 +282,7 @@ def main() -> None:
                                              / arms["tree16"]["wall_ms_per_step_median"])
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."), "batch": args.batch,
+              "temperature": args.temperature,
               "steps": args.steps, "date": time.strftime("%Y-%m-%d"), "arms": arms,
               **ratios}
     write_results(args.out, result)

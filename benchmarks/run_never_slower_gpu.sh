@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The issue-28 grid on a GPU in device calls of at most 10 minutes: the `-m gpu` tests of
-# tests/test_graphs.py, the adaptive-overhead arms, then one never_slower.py run per (set, T)
+# tests/test_graphs.py, the adaptive-overhead arms (OVERHEAD_BATCH, OVERHEAD_T), then one never_slower.py run per (set, T)
 # cell while the call's budget lasts; every result under $OUT (default
 # benchmarks/results/never-slower-gpu). From the repository root, on the GPU machine:
 #   bash benchmarks/run_never_slower_gpu.sh                           (tests, overhead at batch 4, 3 T=0 cells)
@@ -25,7 +25,8 @@ if [ "${TESTS:-1}" = 1 ]; then
 fi
 if [ "${OVERHEAD:-1}" = 1 ]; then
   timeout 100 python3 benchmarks/h200_adaptive_overhead.py --device cuda --batch "${OVERHEAD_BATCH:-4}" \
-    --out "$OUT/overhead_b${OVERHEAD_BATCH:-4}.json" > "$OUT/overhead.log" 2>&1
+    --temperature "${OVERHEAD_T:-0}" --out "$OUT/overhead_b${OVERHEAD_BATCH:-4}_t${OVERHEAD_T:-0}.json" \
+    > "$OUT/overhead.log" 2>&1
   echo "overhead rc=$? $(( $(date +%s) - START ))s" >> "$OUT/steps.txt"
 fi
 for cell in ${CELLS:-mt-bench:0 gsm8k:0 humaneval:0}; do
