@@ -118,11 +118,12 @@ def host_time(session, requests_of, batch: int, passes: int) -> dict:
     def kind() -> str:
         if policy is None:
             return "round"
-        key, bucket_, until, arm = session._hold
-        held = arm is None and bucket_ == pow2_ceil(len(session.rows)) and policy.round < until
-        # (a plain hold's rows key: their sampling classes; before 2026-12-08, the roster)
-        rows_key = session._row_classes() if hasattr(session, "_row_classes") else session.roster
-        return "held_round" if held and key == rows_key else "asked_round"
+        if hasattr(session, "_holding"):
+            held = session._holding(len(session.rows))
+        else:  # (sessions before commit 2795525: a hold stood for the same roster)
+            key, bucket_, until, _ = session._hold
+            held = key == session.roster and bucket_ == pow2_ceil(len(session.rows)) and policy.round < until
+        return "held_round" if held and session._hold[3] is None else "asked_round"
 
     def timed(fn, name):
         def call(*args, **kwargs):

@@ -321,8 +321,8 @@ class DecodeSession(abc.ABC):
 
     def sample_first(self, logits: Tensor, sampling: dict[str, Tensor], rows: Sequence[Request]) -> Tensor:
         """sample_next for a prefill's newcomers `rows`, whose greedy check and filters come from
-        their parameters on the host (read from the sampling tensors, two host syncs a join
-        waited for the prefill before any later launch)."""
+        their parameters on the host (read back from the sampling tensors, they were two host
+        syncs that made every join wait for its prefill before its next launch)."""
         params = [r.params for r in rows]
         if all(p.temperature == 0 for p in params):
             return greedy_argmax(logits)

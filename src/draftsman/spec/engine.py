@@ -128,8 +128,7 @@ class SpecSession(DecodeSession):
         # tried (_prefill_pending); _joining carries a prefill's chunks to _join.
         self._pending: dict[Hashable, list[tuple[Tensor, Tensor, int]]] = {}
         self._joining: list[tuple[Tensor, Tensor, int]] | None = None
-        self._d_like: tuple[Tensor, Tensor] | None = None  # the drafter state's row shapes (after one prefill)
-        self._d_zero: tuple[Tensor, Tensor] | None = None  # ... and one zero row of each
+        self._d_zero: tuple[Tensor, Tensor] | None = None  # one zero row of the drafter state (after one prefill)
         self.deferred_prefills = self.spills = 0  # (reports)
         self._mix: tuple[int, list] = (-1, [])  # (roster, the rows' sampling classes) when made
 
@@ -152,7 +151,7 @@ class SpecSession(DecodeSession):
         # are then not made here: the running drafter cache grows by rows that the deferred
         # prefill writes before any is read (DecodeSession._join; a staging cache's copy was two
         # more launches and a cache's worth of copying per join).
-        lazy = self._d_like is not None and self._lazy(len(self.rows) + b)
+        lazy = self._d_zero is not None and self._lazy(len(self.rows) + b)
         d_cache = None
         if staged:  # static steps over staging caches (graphed): see DecodeSession._staged_prefill
             t_cache = self.staging("target", lambda r: self.target.new_cache(r, self.max_len + t_extra), b)
@@ -185,8 +184,7 @@ class SpecSession(DecodeSession):
             d_logits, d_hidden = (x.clone() for x in out)  # graph outputs: they outlive the next replay
         else:
             d_logits, d_hidden = self._extend(d_cache, shifted, feats, positions, lengths - 1, prefill=True)
-        if self._d_like is None:  # (shapes, dtypes and device stay: made once)
-            self._d_like = tuple(x.new_empty(0, *x.shape[1:]) for x in (d_logits, d_hidden))
+        if self._d_zero is None:  # (shapes, dtypes and device stay: made once)
             self._d_zero = tuple(x.new_zeros(1, *x.shape[1:]) for x in (d_logits, d_hidden))
         state = {"n": lengths.clone(), "root": first, "d_logits": d_logits, "d_hidden": d_hidden, **sampling}
         if self.policy is not None:  # (token, feature) pairs of plain rounds, for the drafter
@@ -323,12 +321,11 @@ class SpecSession(DecodeSession):
             return self._spec_round()[0]
         batch, rows = len(self.rows), self.rows
         draining = self.waiting == 0 and self._plain_drain == (self.roster, pow2_ceil(batch))
-        rows_key, bucket_, until, held = self._hold
-        holding = (bucket_ == pow2_ceil(batch) and self.policy.round < until
-                   and rows_key == (self._row_classes() if held is None else self.roster))
+        holding, held = self._holding(batch), self._hold[3]
         if draining or (holding and held is None):
-            # Plain decoding chosen for rows of this mix, unchanged since: the policy is not asked (its choice and readiness questions took
-            # ~90 us a round at batch 64 on the H200 host, results/h200_adaptive_overhead_session13.json;
+            # Plain decoding chosen for rows of this mix, unchanged since: the policy is not asked
+            # (its choice and readiness questions took ~90 us a round at batch 64 on the H200
+            # host, results/h200_adaptive_overhead_session13.json;
             # on the H100 the adaptive arm's plain rounds took 35-56 us longer than plain
             # decoding's steps, 4-6% of a 0.9 ms step). Draining, the rows' tokens left fall
             # together and no acceptance is observed, so nothing can change the choice until a
@@ -390,6 +387,14 @@ class SpecSession(DecodeSession):
         self.policy.observe(arm, batch, None if untimed else seconds, accepted, classes)
         self._observe_finished(rows)
         return events
+
+    def _holding(self, batch: int) -> bool:
+        """Whether the arm last chosen (`_hold`) still stands unasked for this round of `batch`
+        rows: same batch bucket, within its hold, and the rows unchanged (a plain hold: rows of
+        the same sampling classes)."""
+        rows_key, bucket_, until, held = self._hold
+        return (bucket_ == pow2_ceil(batch) and self.policy.round < until
+                and rows_key == (self._row_classes() if held is None else self.roster))
 
     def _classes(self) -> list:
         """The running rows' sampling classes (spec/adaptive.sampling_class), made when the rows
